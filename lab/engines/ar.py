@@ -1,0 +1,68 @@
+"""AREngine: batch 1, requests in turn. `use_kv_cache=False` is `ar_nocache` (recompute the whole
+sequence every step); `True` is `ar` (prefill once, then one token per forward over a ContiguousKVCache).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lab.engines.base import Engine, fail
+from lab.kv_cache import ContiguousKVCache, NoCache
+from lab.request import Request, RequestStatus
+from lab.runner import ModelRunner
+
+KV_ALLOC_ROUNDING = 256  # tokens; a cache this much larger is reused by the next requests
+
+
+class AREngine(Engine):
+    def __init__(self, runner: ModelRunner, use_kv_cache: bool = True, name: str | None = None,
+                 seed: int = 0) -> None:
+        super().__init__(runner, name or ("ar" if use_kv_cache else "ar_nocache"), seed)
+        self.use_kv_cache = use_kv_cache
+        self.current: Request | None = None
+        self.kv_cache: ContiguousKVCache | None = None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.current is not None or bool(self.waiting)
+
+    def _start_next(self) -> Request:
+        request = self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = time.perf_counter()
+        request.num_computed_tokens = 0
+        if self.use_kv_cache:
+            needed = request.num_prompt_tokens + request.sampling_params.max_tokens
+            if self.kv_cache is None or self.kv_cache.max_len < needed:
+                rounded = -(-needed // KV_ALLOC_ROUNDING) * KV_ALLOC_ROUNDING
+                self.kv_cache = None  # release the old one before allocating
+                self.kv_cache = self.runner.allocate_kv_cache(1, min(rounded, self.runner.max_model_len))
+            self.kv_cache.reset()
+        self.current = request
+        return request
+
+    def step(self) -> list[Request]:
+        request = self.current or self._start_next()
+        if self.use_kv_cache:
+            # prefill feeds the whole prompt; each decode step feeds the one token not yet in the cache
+            start = request.num_computed_tokens
+            new_token_ids = request.all_token_ids[start:]
+            self.kv_cache.begin_forward(start, len(new_token_ids))
+            cache = self.kv_cache
+        else:
+            start, new_token_ids, cache = 0, request.all_token_ids, NoCache()
+        input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
+        positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
+        logits = self.runner.execute(input_ids, positions, cache)                        # (1, V)
+        token_id = self.sampler.sample(logits, [request.sampling_params], [self.generator_for(request)])[0]
+        request.num_computed_tokens = start + len(new_token_ids)
+        if request.append_output_token(token_id, self.runner.eos_token_ids):
+            self.current = None
+            return [request]
+        return []
+
+    def abort_running(self, error: str) -> list[Request]:
+        aborted = fail([self.current], error) if self.current else []
+        self.current = None
+        return aborted

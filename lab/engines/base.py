@@ -1,0 +1,109 @@
+"""Engine: the arrival-driven run loop shared by every engine; subclasses implement `step`.
+
+Owns: waiting queue, admission at arrival times, per-request generators, failure isolation.
+Ignores: tokenization and metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from lab.errors import LabError
+from lab.request import Request, RequestStatus
+from lab.runner import ModelRunner
+from lab.sample import Sampler
+from lab.sample.sampler import make_generator
+
+
+@dataclass(slots=True)
+class RunResult:
+    requests: list[Request]
+    start_time: float      # perf_counter at the start of the run
+    duration: float        # seconds from the first arrival to the last finish
+
+
+class Engine(ABC):
+    # NOTE: engines that take requests over time are admitted at each request's arrival time.
+    supports_arrivals: bool = True
+
+    def __init__(self, runner: ModelRunner, name: str | None = None, seed: int = 0) -> None:
+        self.runner = runner
+        self.name = name or type(self).__name__
+        self.seed = seed
+        self.sampler = Sampler()
+        self.waiting: deque[Request] = deque()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- request lifecycle ---------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        max_len = self.runner.max_model_len
+        needed = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if request.num_prompt_tokens == 0:
+            raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
+        if needed > max_len:
+            raise LabError(
+                f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) = {needed} exceeds the model's context ({max_len})",
+                "shorten the prompt, lower workload.max_tokens / workload.output_len, or raise model.max_model_len")
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def step(self) -> list[Request]:
+        """Advance the running requests; returns the requests that finished in this step."""
+
+    @abstractmethod
+    def abort_running(self, error: str) -> list[Request]:
+        """Mark every request in flight as failed (after an exception in `step`); returns them."""
+
+    def generator_for(self, request: Request) -> torch.Generator | None:
+        """A per-request generator, so a request's samples do not depend on what it is batched with."""
+        params = request.sampling_params
+        if params.is_greedy:
+            return None
+        if request.request_id not in self._generators:
+            seed = params.seed if params.seed is not None else hash((self.seed, request.request_id)) % 2**63
+            self._generators[request.request_id] = make_generator(seed, self.runner.device)
+        return self._generators[request.request_id]
+
+    # -- the run loop --------------------------------------------------------------------------
+    def run(self, requests: list[Request]) -> RunResult:
+        """Serve `requests`, each admitted at its arrival_time (seconds after the start)."""
+        for request in requests:
+            self.validate(request)
+        pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+        start = time.perf_counter()
+        for request in pending:
+            request.arrival_time += start  # relative offsets -> this run's clock
+        while pending or self.has_unfinished_requests():
+            now = time.perf_counter()
+            while pending and pending[0].arrival_time <= now:
+                self.add_request(pending.popleft())
+            if not self.has_unfinished_requests():
+                time.sleep(max(0.0, pending[0].arrival_time - time.perf_counter()))
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the run
+                self.abort_running(f"{type(exc).__name__}: {exc}")
+        end = max((r.finished_time or start for r in requests), default=start)
+        for request in requests:
+            self._generators.pop(request.request_id, None)
+        return RunResult(requests, start, end - start)
+
+
+def fail(requests: list[Request], error: str) -> list[Request]:
+    for request in requests:
+        request.finish(RequestStatus.FINISHED_ABORTED, error)
+    return requests

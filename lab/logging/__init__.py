@@ -1,0 +1,5 @@
+"""Experiment loggers: NullLogger here (logger=none); W&B comes with the measurement suite."""
+
+from lab.logging.null import NullLogger
+
+__all__ = ["NullLogger"]

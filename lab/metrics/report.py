@@ -1,0 +1,56 @@
+"""Result files in the run dir (results.json, requests.jsonl) and the summary table printed at the end.
+
+Owns: serialization and presentation. Ignores: how the numbers were measured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lab.metrics.summary import request_latencies
+from lab.request import Request
+
+
+def request_record(request: Request, tokenizer: Any | None) -> dict[str, Any]:
+    latencies = request_latencies(request)
+    text = tokenizer.decode(request.output_token_ids) if tokenizer is not None else None
+    return {"request_id": request.request_id, "prompt_len": request.num_prompt_tokens,
+            "output_len": request.num_output_tokens, "output_token_ids": request.output_token_ids,
+            "output_text": text, "finish_reason": request.status.value, "error": request.error, **latencies}
+
+
+def write_results(run_dir: Path, results: dict[str, Any], requests: list[Request], tokenizer: Any | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    with open(run_dir / "requests.jsonl", "w", encoding="utf-8") as f:
+        for request in requests:
+            f.write(json.dumps(request_record(request, tokenizer)) + "\n")
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """A compact table in the spirit of vLLM's `bench serve` printout."""
+    rows: list[tuple[str, str]] = [
+        ("Engine", str(results.get("engine"))), ("Model", str(results.get("model_id"))),
+        ("Successful requests", f"{results['completed']}"), ("Failed requests", f"{results['failed']}"),
+        ("Benchmark duration (s)", f"{results['duration']:.2f}"),
+        ("Total input tokens", f"{results['total_input_tokens']}"),
+        ("Total generated tokens", f"{results['total_output_tokens']}"),
+        ("Request throughput (req/s)", f"{results['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{results['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{results['total_token_throughput']:.2f}"),
+    ]
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL")):
+        rows.append((f"{title} mean / median / p99 (ms)",
+                     f"{results[f'mean_{name}_ms']:.2f} / {results[f'median_{name}_ms']:.2f} / "
+                     f"{results[f'p99_{name}_ms']:.2f}"))
+    rows.append(("Peak memory, CPU RSS (MB)", f"{results['peak_memory_mb']:.0f}"))
+    for key in ("peak_mem_allocated_mb", "peak_mem_reserved_mb"):
+        if key in results:
+            rows.append((f"Peak CUDA memory, {key.split('_')[2]} (MB)", f"{results[key]:.0f}"))
+    width = max(len(k) for k, _ in rows)
+    bar = "=" * (width + 28)
+    lines = [bar, "Serving Benchmark Result".center(len(bar)), bar]
+    lines += [f"{k:<{width}}  {v:>26}" for k, v in rows]
+    return "\n".join(lines + [bar])

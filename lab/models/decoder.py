@@ -1,0 +1,136 @@
+"""Our Llama/Qwen-family decoder: embedding, RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head,
+Qwen2's q/k/v biases and Qwen3's q/k norm. Loads an HF state dict.
+
+Owns: the math of one forward. Ignores: where keys and values live (the AttentionCache passed in) and
+which requests the rows belong to. q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.errors import LabError
+from lab.kv_cache.base import AttentionCache
+from lab.models.config import DecoderConfig
+from lab.models.rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in fp32 and scale after casting back, exactly as HF's Llama/Qwen RMSNorm.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.use_qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch, num_tokens, self.num_heads, self.head_dim)     # (B, T, Hq, D)
+        k = k.view(batch, num_tokens, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(batch, num_tokens, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cache.attend(self.layer_idx, q, k, v)                       # (B, T, Hq, D)
+        return self.o_proj(out.reshape(batch, num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """forward(input_ids (B, T), positions (B, T), cache) -> hidden (B, T, H); compute_logits -> (..., V)."""
+
+    def __init__(self, config: DecoderConfig, hf_config: Any | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, hf_config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)       # (B, T, H)
+        cos, sin = self.rotary(positions)      # (B, T, 1, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)            # (..., V)
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load HF parameter names (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""
+        self.load_state_dict(fuse_hf_state_dict(state_dict, self.config), strict=True)
+
+
+def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], config: DecoderConfig) -> dict[str, torch.Tensor]:
+    sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+    out: dict[str, torch.Tensor] = {"embed_tokens.weight": sd.pop("embed_tokens.weight"),
+                                    "norm.weight": sd.pop("norm.weight")}
+    head = sd.pop("lm_head.weight", None)
+    out["lm_head.weight"] = out["embed_tokens.weight"] if config.tie_word_embeddings or head is None else head
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for kind in (["weight", "bias"] if config.attention_bias else ["weight"]):
+            out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                [sd.pop(p + f"self_attn.{n}_proj.{kind}") for n in ("q", "k", "v")], dim=0)
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0)
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                     "post_attention_layernorm.weight"):
+            out[p + name] = sd.pop(p + name)
+        if config.use_qk_norm:
+            out[p + "self_attn.q_norm.weight"] = sd.pop(p + "self_attn.q_norm.weight")
+            out[p + "self_attn.k_norm.weight"] = sd.pop(p + "self_attn.k_norm.weight")
+    leftover = [k for k in sd if "rotary_emb" not in k]
+    if leftover:
+        raise LabError(f"unexpected weights in checkpoint: {leftover[:5]}",
+                       "use a Llama/Qwen2/Qwen3-family checkpoint without extra modules")
+    return out

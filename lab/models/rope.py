@@ -1,0 +1,77 @@
+"""Rotary position embeddings with the config's scaling (default, linear, llama3, yarn/longrope via HF's
+init functions), served as a cos/sin table indexed by position.
+
+Owns: inverse frequencies, the cos/sin table. Ignores: where positions come from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lab.errors import LabError
+from lab.models.config import DecoderConfig
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by `factor`, short ones kept, the band between interpolated smoothly
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(config: DecoderConfig, hf_config: Any | None = None) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq (D/2,), attention_scaling) for the config's rope type."""
+    dim = config.head_dim
+    base = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** base)  # (D/2,)
+    scaling = config.rope_scaling
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if rope_type in ("yarn", "longrope") and hf_config is not None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        return inv.float(), float(attention_scaling)
+    raise LabError(f"rope_type {rope_type!r} is not supported",
+                   "use a model with default, linear, llama3, yarn or longrope RoPE scaling")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin table (max_positions, D), computed in fp32 as HF does, cast to the model dtype once."""
+
+    def __init__(self, config: DecoderConfig, hf_config: Any | None = None) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(config, hf_config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)         # (P, D)
+        self.register_buffer("cos_table", emb.cos() * self.attention_scaling, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * self.attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) -> cos, sin (B, T, 1, D), broadcast over heads."""
+        return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D): rotate pairs (i, i + D/2), HF's non-interleaved convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,71 @@
+"""ModelRunner: builds our decoder from a ModelSource, owns its device/dtype and KV tensors, runs forwards.
+
+Owns: nn.Module, KV-cache allocation, turning token ids + positions into logits. Ignores: queues.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lab.kv_cache import AttentionCache, ContiguousKVCache
+from lab.models.config import DecoderConfig
+from lab.models.decoder import DecoderModel
+from lab.models.sources import ModelSource
+from lab.runner.device import resolve_device, resolve_dtype
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple, set)) else {int(value)}
+
+
+class ModelRunner:
+    def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None) -> None:
+        self.source = source
+        self.model_id = source.model_id
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = DecoderConfig.from_hf(source.hf_config)
+        model = DecoderModel(self.config, source.hf_config)
+        model.load_hf_state_dict(source.state_dict)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = source.tokenizer
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
+                                 self.config.max_position_embeddings)
+        self.eos_token_ids = _as_id_set(getattr(source.hf_config, "eos_token_id", None))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
+        self._hf_model: torch.nn.Module | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def weight_bytes(self) -> int:
+        params = {id(p): p for p in self.model.parameters()}  # tied weights count once
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    def allocate_kv_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
+        c = self.config
+        return ContiguousKVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
+                                 self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                logits_index: int | None = -1) -> torch.Tensor:
+        """input_ids, positions (B, T) -> logits (B, V) at `logits_index` (None: all positions, (B, T, V))."""
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), cache)  # (B, T, H)
+        if logits_index is not None:
+            hidden = hidden[:, logits_index]                                               # (B, H)
+        return self.model.compute_logits(hidden).float()
+
+    def hf_model(self) -> torch.nn.Module:
+        """HF transformers' model with the same weights, dtype and device (built once)."""
+        if self._hf_model is None:
+            self._hf_model = self.source.build_hf_model(self.dtype, self.device)
+        return self._hf_model

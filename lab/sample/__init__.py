@@ -1,0 +1,3 @@
+from lab.sample.sampler import Sampler
+
+__all__ = ["Sampler"]

@@ -1,0 +1,49 @@
+"""Sampler: greedy, temperature, top-k, top-p, per-request seeded generators.
+
+Owns: turning logits into token ids. Ignores: requests (it sees SamplingParams and generators only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lab.request import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits (V,) already temperature-scaled -> logits with filtered entries at -inf (HF's semantics)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # drop the low tail whose mass is <= 1 - top_p; the most likely token always stays
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[-1] = False
+        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> list[int]:
+        """logits (B, V) -> one token id per row."""
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1).tolist()
+        token_ids: list[int] = []
+        for row, p, generator in zip(logits, params, generators):
+            if p.is_greedy:
+                token_ids.append(int(row.argmax()))
+                continue
+            scaled = filter_logits(row.float() / p.temperature, p.top_k, p.top_p)
+            probs = scaled.softmax(-1)
+            token_ids.append(int(torch.multinomial(probs, 1, generator=generator)))
+        return token_ids

@@ -1,0 +1,33 @@
+"""The workload interface and the sampling defaults every workload's requests share.
+
+Owns: turning a workload description into Requests. Ignores: engines and timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from lab.request import Request, SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingDefaults:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
+                              ignore_eos=ignore_eos)
+
+
+class Workload(Protocol):
+    name: str
+
+    def build(self, tokenizer: Any | None, vocab_size: int, sampling: SamplingDefaults) -> list[Request]:
+        """Requests with arrival_time as an offset in seconds from the start of the run."""
+        ...
