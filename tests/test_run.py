@@ -1,0 +1,94 @@
+"""`lab.run` end to end: results files, every config composes and instantiates, sweeps survive failures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lab.run import run
+from tests.conftest import CONF_DIR, compose_cfg
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_FIELDS = ["engine", "model_id", "num_prompts", "completed", "failed", "duration", "total_input_tokens",
+                 "total_output_tokens", "request_throughput", "output_throughput", "total_token_throughput",
+                 "peak_memory_mb", "config"] + [f"{s}_{m}_ms" for s in ("mean", "median", "p99")
+                                                for m in ("ttft", "tpot", "itl", "e2el")]
+REQUEST_FIELDS = ["request_id", "prompt_len", "output_len", "output_token_ids", "output_text", "ttft_ms",
+                  "itl_ms", "e2el_ms"]
+
+
+def lab_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "lab.run", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> None:
+    results = run(cfg, tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert [f for f in RESULT_FIELDS if f not in on_disk] == []
+    assert on_disk["completed"] == 3 and on_disk["failed"] == 0
+    assert on_disk["total_output_tokens"] == 3 * 8 == results["total_output_tokens"]
+    assert on_disk["config"]["engine"]["name"] == "ar"
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(lines) == 3
+    for record in lines:
+        assert [f for f in REQUEST_FIELDS if f not in record] == []
+        assert len(record["itl_ms"]) == record["output_len"] - 1 == 7
+        assert record["ttft_ms"] <= record["e2el_ms"]
+
+
+@pytest.mark.parametrize("group", ["model", "engine", "workload", "logger"])
+def test_every_config_file_composes(group: str, tmp_path: Path) -> None:
+    names = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    assert names, f"no configs in conf/{group}"
+    for name in names:
+        overrides = [f"{group}={name}", f"hydra.run.dir={tmp_path}"]
+        if group == "workload" and name == "file":
+            overrides.append("workload.path=prompts.jsonl")
+        cfg = compose_cfg(overrides)
+        assert cfg[group] is not None
+        if group in ("workload", "logger"):
+            instantiate(cfg[group])  # constructors validate; nothing heavy happens here
+
+
+def test_file_workload_matches_hf_greedy_through_the_cli(tmp_path: Path, tiny_text_runner) -> None:
+    from tests.helpers import chat_prompt, hf_greedy
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "The quick brown fox"}\n'
+                       '{"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5}\n')
+    proc = lab_cli("model=tiny", "engine=ar", "workload=file", f"workload.path={prompts}", "workload.max_tokens=8",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Output token throughput" in proc.stdout
+    records = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+    tokenizer = tiny_text_runner.tokenizer
+    first = tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    second = chat_prompt(tokenizer, "Hello there")
+    assert records[0]["output_token_ids"] == hf_greedy(tiny_text_runner, first, 8, ignore_eos=False)
+    assert records[1]["output_token_ids"] == hf_greedy(tiny_text_runner, second, 5, ignore_eos=False)
+
+
+def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
+    proc = lab_cli("-m", "model=tiny", "workload.num_prompts=1", "workload.input_len=8",
+                   "workload.output_len=2,5000", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(jobs) == 2, [p.name for p in jobs]
+    assert (jobs[0] / "results.json").is_file()
+    error = json.loads((jobs[1] / "error.json").read_text())["error"]
+    assert "exceeds the model's context" in error
+
+
+def test_console_script_and_module_are_the_same_entry_point() -> None:
+    import lab.run
+
+    scripts = (REPO / "pyproject.toml").read_text()
+    assert 'lab = "lab.run:main"' in scripts
+    assert callable(lab.run.main)

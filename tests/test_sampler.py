@@ -1,0 +1,54 @@
+"""Sampler: greedy is argmax; top-k and top-p keep exactly the tokens HF's warpers keep; seeds reproduce."""
+
+from __future__ import annotations
+
+import torch
+
+from lab.request import SamplingParams
+from lab.sample import Sampler
+from lab.sample.sampler import filter_logits, make_generator
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9]])
+    assert Sampler().sample(logits, [SamplingParams(), SamplingParams()], [None, None]) == [1, 0]
+
+
+def test_top_k_keeps_k_largest() -> None:
+    logits = torch.tensor([1.0, 4.0, 3.0, 2.0, 0.0])
+    kept = torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0)).nonzero().flatten().tolist()
+    assert kept == [1, 2]
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = torch.isfinite(filter_logits(probs.log(), top_k=0, top_p=0.8)).nonzero().flatten().tolist()
+    assert kept == [0, 1]
+    kept_all_but_tail = torch.isfinite(filter_logits(probs.log(), top_k=0, top_p=0.9)).nonzero().flatten().tolist()
+    assert kept_all_but_tail == [0, 1, 2]
+
+
+def test_top_p_agrees_with_hf_warper() -> None:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(0)) * 3
+    for top_k, top_p in ((0, 0.9), (20, 1.0), (20, 0.7)):
+        ours = filter_logits(logits[0], top_k=top_k, top_p=top_p)
+        theirs = logits.clone()
+        if top_k:
+            theirs = TopKLogitsWarper(top_k)(None, theirs)
+        if top_p < 1:
+            theirs = TopPLogitsWarper(top_p)(None, theirs)
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs[0])), f"top_k={top_k} top_p={top_p}"
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).repeat(1, 1)
+    params = SamplingParams(temperature=1.0)
+    generator = make_generator(0, torch.device("cpu"))
+    sampler = Sampler()
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[sampler.sample(logits, [params], [generator])[0]] += 1
+    expected = logits[0].softmax(-1) * 3000
+    assert ((counts - expected).abs() < 5 * expected.sqrt() + 10).all(), f"counts {counts} vs expected {expected}"
