@@ -32,7 +32,7 @@ def iter_json_array(file: TextIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
     does not decode is retried with more text; once the file is exhausted it is the cut-off tail and dropped.
     """
     decoder = json.JSONDecoder()
-    buffer, pos, at_eof = file.read(chunk_size), 0, False
+    buffer, at_eof = file.read(chunk_size), False
     pos = len(buffer) - len(buffer.lstrip())
     if buffer[pos:pos + 1] != "[":
         raise LabError(f"{getattr(file, 'name', 'input')} does not start with a JSON array",
