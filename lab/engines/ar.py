@@ -54,13 +54,20 @@ class AREngine(Engine):
             start, new_token_ids, cache = 0, request.all_token_ids, NoCache()
         input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
         positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
-        logits = self.runner.execute(input_ids, positions, cache)                        # (1, V)
-        token_id = self.sampler.sample(logits, [request.sampling_params], [self.generator_for(request)])[0]
+        with self.phases.phase("decode" if request.num_output_tokens else "prefill", num_tokens=len(new_token_ids)):
+            logits = self.runner.execute(input_ids, positions, cache)                    # (1, V)
+            token_id = self.sampler.sample(logits, [request.sampling_params], [self.generator_for(request)])[0]
         request.num_computed_tokens = start + len(new_token_ids)
         if request.append_output_token(token_id, self.runner.eos_token_ids):
             self.current = None
             return [request]
         return []
+
+    def kv_usage(self) -> tuple[int, int]:
+        if not self.use_kv_cache or self.kv_cache is None:
+            return 0, 0
+        used = self.current.num_computed_tokens if self.current is not None else 0
+        return self.kv_cache.num_bytes, used * self.kv_bytes_per_token
 
     def abort_running(self, error: str) -> list[Request]:
         aborted = fail([self.current], error) if self.current else []

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lab.engines.phases import PhaseTracker
 from lab.errors import LabError
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
@@ -38,6 +39,24 @@ class Engine(ABC):
         self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self._generators: dict[str, torch.Generator] = {}
+        self.phases = PhaseTracker(runner.device)
+        self.peak_kv_reserved_bytes = 0
+        self.peak_kv_used_bytes = 0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys + values of one token over all layers."""
+        c = self.runner.config
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.runner.dtype.itemsize
+
+    def kv_usage(self) -> tuple[int, int]:
+        """(bytes reserved for KV, bytes holding live tokens) right now; engines with a cache override."""
+        return 0, 0
+
+    def stats(self) -> dict[str, float]:
+        """Engine-specific numbers merged into results.json (phases, KV bytes; subclasses add more)."""
+        return {**self.phases.summary(), "kv/peak_reserved_bytes": self.peak_kv_reserved_bytes,
+                "kv/peak_used_bytes": self.peak_kv_used_bytes}
 
     # -- request lifecycle ---------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -78,25 +97,38 @@ class Engine(ABC):
         return self._generators[request.request_id]
 
     # -- the run loop --------------------------------------------------------------------------
-    def run(self, requests: list[Request]) -> RunResult:
-        """Serve `requests`, each admitted at its arrival_time (seconds after the start)."""
+    def run(self, requests: list[Request], max_concurrency: int | None = None) -> RunResult:
+        """Serve `requests`, each admitted at its arrival_time (seconds after the start).
+
+        With `max_concurrency` (closed loop) at most that many requests are in flight; a request held
+        back is sent when one finishes, and its latency clock starts then, as in vLLM's benchmark.
+        """
         for request in requests:
             self.validate(request)
         pending = deque(sorted(requests, key=lambda r: r.arrival_time))
         start = time.perf_counter()
         for request in pending:
             request.arrival_time += start  # relative offsets -> this run's clock
+        num_in_flight = 0
         while pending or self.has_unfinished_requests():
             now = time.perf_counter()
-            while pending and pending[0].arrival_time <= now:
-                self.add_request(pending.popleft())
+            while pending and pending[0].arrival_time <= now and (
+                    max_concurrency is None or num_in_flight < max_concurrency):
+                request = pending.popleft()
+                if max_concurrency is not None:
+                    request.arrival_time = max(request.arrival_time, now)  # NOTE: closed loop: sent when admitted
+                self.add_request(request)
+                num_in_flight += 1
             if not self.has_unfinished_requests():
                 time.sleep(max(0.0, pending[0].arrival_time - time.perf_counter()))
                 continue
             try:
-                self.step()
+                num_in_flight -= len(self.step())
             except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the run
-                self.abort_running(f"{type(exc).__name__}: {exc}")
+                num_in_flight -= len(self.abort_running(f"{type(exc).__name__}: {exc}"))
+            reserved, used = self.kv_usage()
+            self.peak_kv_reserved_bytes = max(self.peak_kv_reserved_bytes, reserved)
+            self.peak_kv_used_bytes = max(self.peak_kv_used_bytes, used)
         end = max((r.finished_time or start for r in requests), default=start)
         for request in requests:
             self._generators.pop(request.request_id, None)

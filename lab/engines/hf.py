@@ -103,6 +103,7 @@ class HFEngine(Engine):
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                 generation_config=self._generation_config(params, max_new_tokens), streamer=clock)
         new_tokens = sequences[:, width:].tolist()
+        self._record_phases(now, clock.times, len(batch), width)
         for request, row in zip(batch, new_tokens):
             for token_id, at in zip(row, clock.times):
                 if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
@@ -112,6 +113,18 @@ class HFEngine(Engine):
                                 f"{request.sampling_params.max_tokens} without a stop token")
         self.running = []
         return batch
+
+    def _record_phases(self, start: float, token_times: list[float], batch_size: int, width: int) -> None:
+        """generate() is one call: the first token closes prefill, the rest is decode."""
+        if not token_times:
+            return
+        phases = self.phases
+        phases.seconds["prefill"] += token_times[0] - start
+        phases.steps["prefill"] += 1
+        phases.tokens["prefill"] += batch_size * width
+        phases.seconds["decode"] += token_times[-1] - token_times[0]
+        phases.steps["decode"] += len(token_times) - 1
+        phases.tokens["decode"] += batch_size * (len(token_times) - 1)
 
     def abort_running(self, error: str) -> list[Request]:
         aborted = fail([r for r in self.running if not r.is_finished], error)
