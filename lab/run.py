@@ -1,12 +1,15 @@
-"""`lab` / `python -m lab.run`: compose model + engine + workload + logger with Hydra, run, write results.
+"""`lab` / `python -m lab.run`: compose model + engine + workload + metrics + logger with Hydra, run, write
+results. The only module that touches DictConfig.
 
-The only module that touches DictConfig. Single runs exit with code 2 and one clear message on bad input;
-in a multirun sweep a failing job records `error.json` in its run dir and the sweep goes on.
+Single runs exit with code 2 and one clear message on bad input; in a multirun sweep a failing job
+records the failure in its results.json / error.json, and the sweep goes on.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import sys
 import time
 import traceback
@@ -21,12 +24,16 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lab.engines.base import Engine
 from lab.errors import LabError
-from lab.metrics import summarize
 from lab.metrics.report import format_table, request_record, write_results
+from lab.request import Request
 from lab.runner import ModelRunner
 from lab.runner.device import cuda_memory_mb, peak_rss_mb
 from lab.workloads import SamplingDefaults
+from lab.workloads.arrivals import ArrivalProcess
+
+ARRIVAL_KEYS = ("request_rate", "burstiness", "max_concurrency", "num_warmups")
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -41,31 +48,74 @@ def build_runner(cfg: DictConfig) -> ModelRunner:
     return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len)
 
 
+def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:
+    """(measured requests with arrival offsets, warm-up requests, arrival process, workload name)."""
+    spec: dict[str, Any] = OmegaConf.to_container(cfg.workload, resolve=True)
+    arrival_cfg = {k: spec.pop(k) for k in ARRIVAL_KEYS if k in spec}
+    num_warmups = int(arrival_cfg.pop("num_warmups", 0) or 0)
+    arrival = ArrivalProcess(request_rate=float(arrival_cfg.get("request_rate", math.inf)),
+                             burstiness=float(arrival_cfg.get("burstiness", 1.0)),
+                             max_concurrency=arrival_cfg.get("max_concurrency"), seed=int(cfg.seed))
+    workload = instantiate(spec)
+    sampling = SamplingDefaults(**OmegaConf.to_container(cfg.sampling, resolve=True))
+    requests = arrival.assign(workload.build(runner.tokenizer, runner.vocab_size, sampling))
+    warmups = []
+    for i in range(num_warmups):
+        warmup = copy.deepcopy(requests[i % len(requests)])
+        warmup.request_id, warmup.arrival_time = f"warmup-{i}", 0.0
+        warmups.append(warmup)
+    return requests, warmups, arrival, workload.name
+
+
+def _hydra_names() -> tuple[str, str]:
+    """(run name = the override string, group = the sweep's directory name) for the experiment logger."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:  # not under @hydra.main (tests call run() directly)
+        return "run", "single"
+    name = hydra_cfg.job.override_dirname or hydra_cfg.job.name
+    group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else "single"
+    return name, group
+
+
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     logger = instantiate(cfg.logger)
+    name, group = _hydra_names()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    logger.start(run_dir=run_dir, name=name, group=group, config=resolved)
     exit_code = 1
     try:
         load_start = time.perf_counter()
         runner = build_runner(cfg)
-        load_s = time.perf_counter() - load_start
-        engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
-        workload = instantiate(cfg.workload)
-        sampling = SamplingDefaults(**OmegaConf.to_container(cfg.sampling, resolve=True))
-        requests = workload.build(runner.tokenizer, runner.vocab_size, sampling)
-        outcome = engine.run(requests)
-        results: dict[str, Any] = {"engine": engine.name, "model_id": runner.model_id, "workload": workload.name,
-                                   **summarize(outcome.requests, outcome.duration),
-                                   "model_load_s": load_s, "peak_memory_mb": peak_rss_mb(),
-                                   **cuda_memory_mb(runner.device),
-                                   "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-                                   "num_threads": torch.get_num_threads(),
-                                   "config": OmegaConf.to_container(cfg, resolve=True)}
+        load = {"phase/load_s": time.perf_counter() - load_start, "memory/load_peak_mb": peak_rss_mb(),
+                **{f"memory/load_{k}": v for k, v in cuda_memory_mb(runner.device).items()}}
+        engine: Engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
+        metrics = instantiate(cfg.metrics)
+        requests, warmups, arrival, workload_name = build_requests(cfg, runner)
+        if warmups:
+            engine.run(warmups)
+            engine.reset_stats()
+        with metrics.sample_utilization(runner.device):
+            outcome = engine.run(requests, max_concurrency=arrival.max_concurrency)
+        results: dict[str, Any] = {
+            "engine": engine.name, "model_id": runner.model_id, "workload": workload_name,
+            "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
+            "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
+            "engine_supports_arrivals": engine.supports_arrivals,
+            **metrics.summarize(outcome, engine, runner.tokenizer), **load,
+            "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
+            "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
+            "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+            "num_threads": torch.get_num_threads(), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)
-        logger.log_summary({k: v for k, v in results.items() if isinstance(v, (int, float))})
-        logger.log_table("requests", [request_record(r, None) for r in outcome.requests])
+        if metrics.sampler is not None:
+            metrics.sampler.write_series(run_dir / "utilization.jsonl")
+            logger.log_series("utilization", metrics.sampler.series, step_key="t_s")
+        logger.log_summary({k: v for k, v in results.items() if isinstance(v, (int, float)) and v is not None})
+        logger.log_table("requests", [request_record(r, runner.tokenizer) for r in outcome.requests])
         if cfg.print_table:
             print(format_table(results))
             print(f"results: {run_dir / 'results.json'}")
@@ -75,6 +125,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         logger.finish(exit_code)
 
 
+def record_failure(run_dir: Path, message: str, exc: BaseException) -> None:
+    """A failed job still leaves a results.json (completed 0, the error) and error.json with the traceback."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "error.json").write_text(json.dumps(
+        {"error": message, "traceback": traceback.format_exception(exc)}, indent=2))
+    if not (run_dir / "results.json").exists():
+        (run_dir / "results.json").write_text(json.dumps({"failed_job": True, "error": message, "completed": 0},
+                                                         indent=2))
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
@@ -82,12 +142,10 @@ def main(cfg: DictConfig) -> float | None:
     is_multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         return float(run(cfg, run_dir)["output_throughput"])
-    except Exception as raw:  # noqa: BLE001 - turned into one message (run) or error.json (sweep)
+    except Exception as raw:  # noqa: BLE001 - turned into one message (run) or a recorded failure (sweep)
         exc = _unwrap(raw)
         message = str(exc) if isinstance(exc, LabError) else f"{type(exc).__name__}: {exc}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "error.json").write_text(json.dumps(
-            {"error": message, "traceback": traceback.format_exception(exc)}, indent=2))
+        record_failure(run_dir, message, exc)
         print(f"error: {message}", file=sys.stderr)
         if is_multirun:
             return None  # NOTE: one failing job must not sink the sweep

@@ -53,6 +53,11 @@ class Engine(ABC):
         """(bytes reserved for KV, bytes holding live tokens) right now; engines with a cache override."""
         return 0, 0
 
+    def reset_stats(self) -> None:
+        """Forget what warm-up requests did to the counters."""
+        self.phases = PhaseTracker(self.runner.device, self.phases.track_memory)
+        self.peak_kv_reserved_bytes = self.peak_kv_used_bytes = 0
+
     def stats(self) -> dict[str, float]:
         """Engine-specific numbers merged into results.json (phases, KV bytes; subclasses add more)."""
         return {**self.phases.summary(), "kv/peak_reserved_bytes": self.peak_kv_reserved_bytes,

@@ -1,61 +1,128 @@
 """Summary metrics with vLLM's serving-benchmark definitions and field names.
 
-TTFT = first token - arrival; E2EL = last token - arrival; TPOT = (E2EL - TTFT) / (output_len - 1) per
-request with more than one token; ITL = every gap between consecutive tokens, pooled over requests.
-Throughputs divide by the run's duration. Owns: numbers. Ignores: engines.
+TTFT = first token - arrival (the time the request was sent); E2EL = last token - arrival;
+TPOT = (E2EL - TTFT) / (output_len - 1) per request with more than one token; ITL = every gap between
+consecutive tokens, pooled over requests (per token: `itl_token_normalized`); queue time = first
+scheduled - arrival. Throughputs divide by the run's duration; goodput counts requests meeting every
+configured SLO. Owns: numbers. Ignores: engines.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from lab.request import Request, RequestStatus
 
-PERCENTILES = (50, 90, 95, 99)
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_PERCENTILES = (50, 90, 95, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "queue")
 
 
 def request_latencies(request: Request) -> dict[str, Any]:
     """Per-request timings in ms (None where undefined)."""
     times = request.token_times
+    queue = ((request.first_scheduled_time - request.arrival_time) * 1000
+             if request.first_scheduled_time is not None else None)
     if not times:
-        return {"ttft_ms": None, "tpot_ms": None, "itl_ms": [], "e2el_ms": None}
+        return {"ttft_ms": None, "tpot_ms": None, "itl_ms": [], "e2el_ms": None, "queue_ms": queue}
     ttft = (times[0] - request.arrival_time) * 1000
     e2el = (times[-1] - request.arrival_time) * 1000
     itl = [(b - a) * 1000 for a, b in zip(times, times[1:])]
     tpot = (e2el - ttft) / (len(times) - 1) if len(times) > 1 else None
-    return {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl, "e2el_ms": e2el}
+    return {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl, "e2el_ms": e2el, "queue_ms": queue}
 
 
-def _stats(name: str, values: list[float]) -> dict[str, float]:
+def latency_stats(name: str, values: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     data = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
     out = {f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(np.median(data)),
            f"std_{name}_ms": float(data.std()), f"max_{name}_ms": float(data.max())}
-    out.update({f"p{p}_{name}_ms": float(np.percentile(data, p)) for p in PERCENTILES})
+    out.update({f"p{p:g}_{name}_ms": float(np.percentile(data, p)) for p in percentiles})
     return out
 
 
-def summarize(requests: list[Request], duration: float) -> dict[str, Any]:
+def meets_slo(latencies: dict[str, Any], slo: dict[str, float | None]) -> bool:
+    """vLLM's goodput: every configured SLO holds (a one-token request has TPOT 0)."""
+    for key in ("ttft_ms", "tpot_ms", "e2el_ms"):
+        limit = slo.get(key)
+        if limit is not None and (latencies[key] or 0.0) > limit:
+            return False
+    return True
+
+
+def peak_output_rate(requests: list[Request], start: float) -> float:
+    """vLLM's max_output_tokens_per_s: the most tokens produced in any one-second bin of the run."""
+    times = [t for r in requests for t in r.token_times]
+    if not times:
+        return 0.0
+    bins = np.floor((np.asarray(times) - start)).astype(np.int64)
+    return float(np.bincount(bins - bins.min()).max())
+
+
+def peak_concurrency(requests: list[Request]) -> int:
+    """The most requests in flight (sent, not yet finished) at any instant."""
+    events = sorted([(r.arrival_time, 1) for r in requests if r.finished_time is not None]
+                    + [(r.finished_time, -1) for r in requests if r.finished_time is not None],
+                    key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, delta in events:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def summarize(requests: list[Request], duration: float, start: float | None = None,
+              percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
+              slo: dict[str, float | None] | None = None) -> dict[str, Any]:
     """vLLM's `bench serve` result fields (failed requests are counted, not timed)."""
     completed = [r for r in requests if r.is_finished and r.status is not RequestStatus.FINISHED_ABORTED]
     per_request = [request_latencies(r) for r in completed]
     total_input = sum(r.num_prompt_tokens for r in completed)
     total_output = sum(r.num_output_tokens for r in completed)
     duration = max(duration, 1e-9)
+    slo = {k: v for k, v in (slo or {}).items() if v is not None}
     result: dict[str, Any] = {
         "num_prompts": len(requests), "completed": len(completed), "failed": len(requests) - len(completed),
         "duration": duration, "total_input_tokens": total_input, "total_output_tokens": total_output,
         "request_throughput": len(completed) / duration, "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
+        "request_goodput": (sum(meets_slo(m, slo) for m in per_request) / duration) if slo else None,
+        "max_output_tokens_per_s": peak_output_rate(completed, start if start is not None else 0.0),
+        "max_concurrent_requests": peak_concurrency(completed),
+        "itl_token_normalized": True,
     }
     series = {
         "ttft": [m["ttft_ms"] for m in per_request],
         "tpot": [m["tpot_ms"] for m in per_request if m["tpot_ms"] is not None],
         "itl": [x for m in per_request for x in m["itl_ms"]],
         "e2el": [m["e2el_ms"] for m in per_request],
+        "queue": [m["queue_ms"] for m in per_request if m["queue_ms"] is not None],
     }
     for name in LATENCY_METRICS:
-        result.update(_stats(name, series[name]))
-    return result
+        result.update(latency_stats(name, series[name], percentiles))
+    # what one user sees: its own output rate end to end, and its decode rate (1 / TPOT)
+    user_e2e = [r.num_output_tokens / (m["e2el_ms"] / 1000) for r, m in zip(completed, per_request)
+                if m["e2el_ms"]]
+    user_decode = [1000 / t for t in series["tpot"] if t > 0]
+    result["mean_user_output_tok_s"] = float(np.mean(user_e2e)) if user_e2e else 0.0
+    result["mean_user_decode_tok_s"] = float(np.mean(user_decode)) if user_decode else 0.0
+    result["median_user_decode_tok_s"] = float(np.median(user_decode)) if user_decode else 0.0
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000
+
+
+def detailed_lists(requests: list[Request], tokenizer: Any | None = None) -> dict[str, list[Any]]:
+    """vLLM's --save-detailed lists, one entry per request in request order."""
+    lat = [request_latencies(r) for r in requests]
+    return {"input_lens": [r.num_prompt_tokens for r in requests],
+            "output_lens": [r.num_output_tokens for r in requests],
+            # NOTE: seconds, as vLLM's detailed lists are
+            "ttfts": [_seconds(m["ttft_ms"]) for m in lat], "itls": [[x / 1000 for x in m["itl_ms"]] for m in lat],
+            "e2els": [_seconds(m["e2el_ms"]) for m in lat],
+            "generated_texts": [tokenizer.decode(r.output_token_ids) if tokenizer is not None else None
+                                for r in requests],
+            "errors": [r.error or "" for r in requests]}
