@@ -67,6 +67,18 @@ def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request],
     return requests, warmups, arrival, workload.name
 
 
+def profile_fields(profile: dict[str, Any] | None) -> dict[str, Any]:
+    """The profile's headline numbers for results.json (the full summary is profile_summary.json)."""
+    if profile is None:
+        return {}
+    fields: dict[str, Any] = {"profile/host_syncs": profile["syncs"]["total"],
+                              **{f"profile/{k}": v for k, v in profile["totals"].items()}}
+    fields.update({f"profile/range_{k}_ms": v["total_ms"] for k, v in profile["ranges"].items()})
+    if profile["device_idle"]:
+        fields["profile/device_idle_share"] = profile["device_idle"]["idle_share"]
+    return fields
+
+
 def _hydra_names() -> tuple[str, str]:
     """(run name = the override string, group = the sweep's directory name) for the experiment logger."""
     try:
@@ -98,8 +110,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         if warmups:
             engine.run(warmups)
             engine.reset_stats()
-        with metrics.sample_utilization(runner.device):
-            outcome = engine.run(requests, max_concurrency=arrival.max_concurrency)
+        profiler = instantiate(cfg.profiler)
+        profiler.start(run_dir, runner.device)
+        engine.step_hook = profiler.step
+        try:
+            with metrics.sample_utilization(runner.device):
+                outcome = engine.run(requests, max_concurrency=arrival.max_concurrency)
+        finally:
+            profile = profiler.stop()
+            engine.step_hook = None
         results: dict[str, Any] = {
             "engine": engine.name, "model_id": runner.model_id, "workload": workload_name,
             "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
@@ -109,11 +128,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
-            "num_threads": torch.get_num_threads(), "config": resolved}
+            "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)
         if metrics.sampler is not None:
             metrics.sampler.write_series(run_dir / "utilization.jsonl")
             logger.log_series("utilization", metrics.sampler.series, step_key="t_s")
+        for artifact_name, path in profiler.outputs.items():
+            logger.log_artifact(path, artifact_name, kind="profile")
         logger.log_summary({k: v for k, v in results.items() if isinstance(v, (int, float)) and v is not None})
         logger.log_table("requests", [request_record(r, runner.tokenizer) for r in outcome.requests])
         if cfg.print_table:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class Engine(ABC):
         self.waiting: deque[Request] = deque()
         self._generators: dict[str, torch.Generator] = {}
         self.phases = PhaseTracker(runner.device)
+        self.step_hook: Callable[[], None] | None = None  # e.g. the profiler's step()
         self.peak_kv_reserved_bytes = 0
         self.peak_kv_used_bytes = 0
 
@@ -131,6 +133,8 @@ class Engine(ABC):
                 num_in_flight -= len(self.step())
             except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the run
                 num_in_flight -= len(self.abort_running(f"{type(exc).__name__}: {exc}"))
+            if self.step_hook is not None:
+                self.step_hook()
             reserved, used = self.kv_usage()
             self.peak_kv_reserved_bytes = max(self.peak_kv_reserved_bytes, reserved)
             self.peak_kv_used_bytes = max(self.peak_kv_used_bytes, used)

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import psutil
 import torch
 
+from lab.profiling.ranges import profile_range
+
 
 class PhaseTracker:
     def __init__(self, device: torch.device, track_memory: bool = True) -> None:
@@ -34,7 +36,8 @@ class PhaseTracker:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            yield
+            with profile_range(name):
+                yield
         finally:
             if is_cuda:
                 torch.cuda.synchronize(self.device)
