@@ -82,6 +82,18 @@ class Engine(ABC):
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
+        """Abort one request wherever it is (waiting or running), freeing its KV; returns it if found."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                return fail([request], error)[0]
+        return self.abort_running_request(request_id, error)
+
+    def abort_running_request(self, request_id: str, error: str) -> Request | None:
+        """Engines that hold running requests override this to release one of them."""
+        raise NotImplementedError(f"{self.name} cannot abort a running request")
+
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...
 
