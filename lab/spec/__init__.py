@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers that draft tokens for the target to verify."""
