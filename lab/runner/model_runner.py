@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lab.kv_cache import AttentionCache, ContiguousKVCache
+from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
 from lab.models.sources import ModelSource
@@ -55,10 +55,17 @@ class ModelRunner:
         return ContiguousKVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
                                  self.dtype, self.device)
 
+    def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast") -> BlockKVCache:
+        """KV storage in `num_blocks` blocks of `block_size` tokens (slots: one block per request)."""
+        c = self.config
+        return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
+                            self.device, backend)
+
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                logits_index: int | None = -1) -> torch.Tensor:
-        """input_ids, positions (B, T) -> logits (B, V) at `logits_index` (None: all positions, (B, T, V))."""
+                logits_index: int | torch.Tensor | None = -1) -> torch.Tensor:
+        """input_ids, positions (B, T) -> logits (B, V) at `logits_index` (None: all positions, (B, T, V);
+        a 1-D tensor of R positions: (B, R, V), e.g. each request's last token in a flat batch)."""
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), cache)  # (B, T, H)
         if logits_index is not None:
             hidden = hidden[:, logits_index]                                               # (B, H)

@@ -1,0 +1,130 @@
+"""ContinuousBatchingEngine: `cb_slots` (stage 2D) and `cb_paged` (stage 2E), one loop, two KV strategies.
+
+Each step: Scheduler.schedule() -> SchedulerOutput {request_id: num_tokens}; the scheduled tokens are laid
+out as one flat (1, N) batch (single-token queries first, then prefill chunks) with per-token positions;
+BlockKVCache gets each request's block table and attends per request; ModelRunner.execute returns the
+logits of each request whose step reaches its last known token; Sampler picks tokens;
+Scheduler.update_from_output advances `num_computed_tokens` and frees finished requests' KV.
+
+The KV strategy is a constructor choice (conf/engine/kv_cache/): SlotKVCacheConfig gives every request
+one `max_len` slot; PagedKVCacheConfig gives blocks on demand with prefix sharing.
+
+Phase timing: a step whose tokens are all decodes is "decode", all prefill (or recompute) chunks is
+"prefill", and a step with both is "mixed" (its tokens counted whole; splitting one forward's time by
+token counts would be a guess).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lab.engines.base import Engine
+from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig, SeqSlice
+from lab.request import Request
+from lab.runner import ModelRunner
+from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+class ContinuousBatchingEngine(Engine):
+    def __init__(self, runner: ModelRunner, scheduler: SchedulerConfig | None = None,
+                 kv_cache: KVCacheConfig | None = None, name: str | None = None, seed: int = 0) -> None:
+        super().__init__(runner, name or "cb_paged", seed)
+        scheduler = scheduler or SchedulerConfig()
+        kv_cache = kv_cache or PagedKVCacheConfig()
+        self.kv_manager = kv_cache.build_manager(runner.max_model_len, scheduler.max_num_seqs,
+                                                 self.kv_bytes_per_token, runner.device)
+        self.kv_cache = runner.allocate_block_kv_cache(self.kv_manager.num_blocks, self.kv_manager.block_size,
+                                                       kv_cache.attention)
+        self.scheduler = Scheduler(scheduler, self.kv_manager, runner.eos_token_ids)
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
+        self.reserved_token_steps = 0   # sum over steps of tokens reserved, for reserved/used per token
+        self.used_token_steps = 0
+        self.scheduler.num_preemptions = self.scheduler.max_running = 0
+
+    # -- Engine interface --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def abort_running(self, error: str) -> list[Request]:
+        return self.scheduler.abort_running(error)
+
+    def step(self) -> list[Request]:
+        out = self.scheduler.schedule()
+        sampled = self._execute(out) if not out.is_empty else {}
+        finished = self.scheduler.update_from_output(out, sampled)
+        self.num_steps += 1
+        self.num_scheduled_tokens += out.total_num_scheduled_tokens
+        reserved, used = self._kv_tokens()
+        self.reserved_token_steps += reserved
+        self.used_token_steps += used
+        return finished
+
+    # -- one forward -------------------------------------------------------------------------------
+    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the scheduled tokens as one flat batch; returns {request_id: sampled token}."""
+        counts = out.num_scheduled_tokens
+        # NOTE: single-token queries first: the attention backend batches them into one SDPA call.
+        order = sorted(out.scheduled, key=lambda r: counts[r.request_id] != 1)
+        seqs, token_ids, sample_rows, samplers = [], [], [], []
+        for request in order:
+            start, num = request.num_computed_tokens, counts[request.request_id]
+            seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num))
+            token_ids.extend(_token_slice(request, start, num))
+            if out.samples(request):
+                sample_rows.append(len(token_ids) - 1)
+                samplers.append(request)
+        self.kv_cache.begin_step(seqs)
+        input_ids = torch.tensor(token_ids, dtype=torch.long)[None]                          # (1, N)
+        positions = self.kv_cache.index.positions[None]                                      # (1, N)
+        with self.phases.phase(_phase_name(out), num_tokens=len(token_ids)):
+            logits = self.runner.execute(input_ids, positions, self.kv_cache,
+                                         logits_index=torch.tensor(sample_rows, dtype=torch.long))[0]  # (R, V)
+            sampled = self.sampler.sample(logits, [r.sampling_params for r in samplers],
+                                          [self.generator_for(r) for r in samplers]) if samplers else []
+        return {r.request_id: token for r, token in zip(samplers, sampled)}
+
+    # -- accounting --------------------------------------------------------------------------------
+    def _kv_tokens(self) -> tuple[int, int]:
+        """(tokens of KV reserved by running requests, tokens actually stored for them)."""
+        reserved = self.kv_manager.num_held_blocks * self.kv_manager.block_size
+        used = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return reserved, used
+
+    def kv_usage(self) -> tuple[int, int]:
+        reserved, used = self._kv_tokens()
+        return reserved * self.kv_bytes_per_token, used * self.kv_bytes_per_token
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self._reset_counters()
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), **self.scheduler.stats(), **self.kv_manager.stats(),
+                "sched/num_steps": self.num_steps,
+                "sched/mean_scheduled_tokens": self.num_scheduled_tokens / max(1, self.num_steps),
+                "kv/pool_bytes": self.kv_cache.num_bytes,
+                "kv/reserved_per_used_token": self.reserved_token_steps / max(1, self.used_token_steps),
+                "kv/held_blocks_at_end": self.kv_manager.num_held_blocks}
+
+
+def _token_slice(request: Request, start: int, num: int) -> list[int]:
+    """request.all_token_ids[start:start + num] without concatenating the whole sequence."""
+    prompt, outputs = request.prompt_token_ids, request.output_token_ids
+    end, num_prompt = start + num, len(prompt)
+    if start >= num_prompt:
+        return outputs[start - num_prompt:end - num_prompt]
+    return prompt[start:end] + outputs[:max(0, end - num_prompt)]
+
+
+def _phase_name(out: SchedulerOutput) -> str:
+    is_decode = [out.num_scheduled_tokens[r.request_id] == 1 and r.num_output_tokens > 0
+                 and r.num_computed_tokens == r.num_tokens - 1 for r in out.scheduled]
+    return "decode" if all(is_decode) else "prefill" if not any(is_decode) else "mixed"

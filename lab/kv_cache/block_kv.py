@@ -1,0 +1,118 @@
+"""BlockKVCache: preallocated KV storage in blocks, shared by the slot (2D) and paged (2E) engines.
+
+Owns: per layer keys and values of shape (Hkv, num_blocks, block_size, D), writing a step's new keys
+and values through `slot_mapping`, and handing attention to a backend (block_attention.py). Ignores:
+which request a block belongs to (the step's SeqSlices carry each request's block table).
+
+A step is a flat batch of N tokens from R requests, (1, N) for the model: every request contributes
+`num_query_tokens` consecutive tokens (1 for a decode, a chunk for a prefill) at positions
+`num_context_tokens ...`. `begin_step` builds every index tensor once; each layer then only writes and
+attends. A slot manager is the case of one `max_len`-token block per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from lab.errors import LabError
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """One request's share of a step's flat batch."""
+
+    block_table: list[int]
+    num_context_tokens: int   # tokens whose KV is already stored (num_computed_tokens)
+    num_query_tokens: int     # tokens fed this step (num_scheduled_tokens)
+
+
+@dataclass(slots=True)
+class StepIndex:
+    """Per-token and per-request index tensors of one step (built once, used by every layer)."""
+
+    seqs: list[SeqSlice]
+    q_start: list[int]                 # offset of each request's first token in the flat batch
+    block_tables: torch.Tensor         # (R, max_blocks) long, padded with block 0
+    context_lens: torch.Tensor         # (R,) num_context_tokens
+    query_lens: torch.Tensor           # (R,) num_query_tokens
+    positions: torch.Tensor            # (N,) position of each token in its request
+    slot_mapping: torch.Tensor         # (N,) flat storage index of each new token
+
+
+class BlockKVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, backend: str = "fast") -> None:
+        from lab.kv_cache.block_attention import make_backend
+
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        # NOTE: zeros, not empty: padded keys are masked, but a NaN bit pattern in them would still
+        # poison SDPA's sums.
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.device = device
+        self.backend = make_backend(backend)
+        self.index: StepIndex | None = None
+        self._meta: object = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def begin_step(self, seqs: list[SeqSlice]) -> None:
+        """Build this step's indices; the model's forward follows with the same token order."""
+        self.index = build_step_index(seqs, self.block_size, self.device)
+        self._meta = self.backend.prepare(self, self.index)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, N, Hq, D), k/v (1, N, Hkv, D) -> (1, N, Hq, D)."""
+        slot_mapping = self.index.slot_mapping
+        # NOTE: every token's KV is written before any attention, so a request that hit a prefix block
+        # published this step reads it in the same forward that computes it.
+        flat_shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
+        self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k[0].transpose(0, 1))
+        self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v[0].transpose(0, 1))
+        out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
+        return out.unsqueeze(0)
+
+
+def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device) -> StepIndex:
+    q_start, total = [], 0
+    for seq in seqs:
+        q_start.append(total)
+        total += seq.num_query_tokens
+    max_blocks = max((len(s.block_table) for s in seqs), default=1) or 1
+    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                          dtype=torch.long).view(len(seqs), max_blocks)                       # (R, max_blocks)
+    context_lens = torch.tensor([s.num_context_tokens for s in seqs], dtype=torch.long)        # (R,)
+    query_lens = torch.tensor([s.num_query_tokens for s in seqs], dtype=torch.long)            # (R,)
+    seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)                     # (N,)
+    starts = torch.tensor(q_start, dtype=torch.long)
+    positions = torch.arange(total) - starts[seq_idx] + context_lens[seq_idx]                  # (N,)
+    slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+    return StepIndex(seqs, q_start, tables.to(device), context_lens, query_lens, positions,
+                     slot_mapping.to(device))
+
+
+def resolve_num_blocks(bytes_per_block: int, device: torch.device, num_blocks: int | None = None,
+                       memory_mb: float | None = None, memory_fraction: float | None = None,
+                       max_useful_blocks: int | None = None) -> int:
+    """Block count: explicit `num_blocks`, else a budget in MB, else a fraction of the device's free
+    memory (CUDA: free device memory; CPU: available RAM), capped at what `max_num_seqs` full-length
+    requests could ever hold."""
+    if num_blocks is not None:
+        return int(num_blocks)
+    if memory_mb is not None:
+        budget = memory_mb * 2**20
+    elif memory_fraction is not None:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        budget = memory_fraction * free
+    else:
+        raise LabError("the paged KV cache needs num_blocks, kv_cache_memory_mb or memory_fraction",
+                       "set engine.kv_cache.num_blocks=N (or kv_cache_memory_mb)")
+    count = int(budget // bytes_per_block)
+    return max(1, min(count, max_useful_blocks) if max_useful_blocks else count)

@@ -1,0 +1,159 @@
+"""Scheduler: waiting and running queues, a token budget per step, chunked prefill, admission when the
+KV manager can allocate, and preemption by recomputation (vLLM v1's policy).
+
+Owns: which requests run, in what order, and how many tokens each advances. Ignores: the model and
+tensor contents (it sees a KVCacheManager, which counts blocks).
+
+Each step: running decodes first, then running prefill chunks, then waiting requests in arrival order,
+while the budget (`max_num_batched_tokens`) and `max_num_seqs` allow. When a running request needs a
+block and none is free, the newest running request not yet scheduled this step is preempted: its KV is
+freed, `num_computed_tokens` reset to 0 while its generated tokens stay, and it goes to the front of
+the waiting queue, so its recompute prefill later covers prompt + outputs. No admission in a step
+that preempted. A request that could never fit is failed with the reason, never left waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from lab.kv_cache.manager import KVCacheManager
+from lab.request import Request, RequestStatus
+from lab.sched.output import SchedulerConfig, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset()) -> None:
+        self.config = config
+        self.kv_manager = kv_manager
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []          # admission order: newest last
+        self._failed: list[Request] = []          # rejected or stuck, handed back by the next update
+        self.num_preemptions = 0
+        self.max_running = 0
+
+    # -- queues ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        error = self.never_fits(request)
+        if error is not None:
+            self._fail(request, error)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def never_fits(self, request: Request) -> str | None:
+        """Why this request can never run with this cache and budget, or None."""
+        # NOTE: the last sampled token never needs KV, and a recompute prefill covers prompt + outputs.
+        max_kv_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
+        kv = self.kv_manager
+        if not kv.can_fit(max_kv_tokens):
+            return (f"request {request.request_id} needs KV for up to {max_kv_tokens} tokens; the cache holds "
+                    f"{kv.num_blocks} blocks of {kv.block_size} tokens (raise engine.kv_cache.num_blocks / "
+                    f"max_len or lower max_tokens)")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and max_kv_tokens > budget:
+            return (f"request {request.request_id} may need a {max_kv_tokens}-token prefill, over "
+                    f"max_num_batched_tokens={budget} with chunked prefill off (enable it or raise the budget)")
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._failed)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:   # preempted earlier in this step
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, out):
+                out.add(request, num_new)
+                budget -= num_new
+        if not out.preempted_request_ids:
+            self._admit(out, budget)
+        if out.is_empty and not self.running and self.waiting:
+            # NOTE: unreachable when never_fits() is right; a safeguard so the run loop cannot spin.
+            head = self.waiting.popleft()
+            self._fail(head, f"request {head.request_id} could not be scheduled even with an empty cache")
+        self.max_running = max(self.max_running, len(self.running))
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv_manager.allocate_slots(request, num_new):
+            victim = next(r for r in reversed(self.running) if r.request_id not in out.num_scheduled_tokens)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv_manager.free(request)          # before the reset: free() reads num_computed_tokens
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+        self.num_preemptions += 1
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = self.kv_manager.find_cached_prefix(request)
+            num_new = request.num_tokens - prefix.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_manager.allocate_slots(request, num_new, prefix):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.perf_counter()
+            self.running.append(request)
+            out.add(request, num_new)
+            out.scheduled_new_request_ids.append(request.request_id)
+            out.num_prefix_hit_tokens += prefix.num_tokens
+            budget -= num_new
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int],
+                           now: float | None = None) -> list[Request]:
+        """Advance every scheduled request by its tokens and append its sampled token; returns the
+        requests that finished (and any failed since the last step), their KV freed."""
+        finished, self._failed = self._failed, []
+        for request in out.scheduled:
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is not None and request.append_output_token(token_id, self.eos_token_ids, now):
+                self.running.remove(request)
+                self.kv_manager.free(request)
+                finished.append(request)
+        return finished
+
+    def abort_running(self, error: str) -> list[Request]:
+        """Fail every running request (after a failed step) and release its KV."""
+        aborted, self.running = self.running, []
+        for request in aborted:
+            self.kv_manager.free(request)
+            request.finish(RequestStatus.FINISHED_ABORTED, error)
+        return aborted
+
+    def _fail(self, request: Request, error: str) -> None:
+        request.finish(RequestStatus.FINISHED_ABORTED, error)
+        self._failed.append(request)
+
+    def stats(self) -> dict[str, float]:
+        return {"sched/num_preemptions": self.num_preemptions, "sched/max_running": self.max_running,
+                "sched/max_num_seqs": self.config.max_num_seqs,
+                "sched/max_num_batched_tokens": self.config.max_num_batched_tokens}
