@@ -1,0 +1,5 @@
+"""`python -m lab.serve`: see lab/serve/cli.py."""
+
+from lab.serve.cli import main
+
+main()

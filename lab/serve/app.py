@@ -1,0 +1,199 @@
+"""The FastAPI app: OpenAI routes, request validation, admission (a bounded number of outstanding
+requests, 429 past it), /health, /v1/models, /metrics, and the engine client's start and shutdown.
+
+Owns: turning HTTP requests into engine Requests and errors into OpenAI error bodies. Ignores: how the
+engine (or the replicas behind a router) steps; see engine_loop.py and replicas.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request as HTTPRequest
+
+from lab.request import Request
+from lab.serve import session as sessions
+from lab.serve.detokenizer import IncrementalDetokenizer
+from lab.serve.engine_loop import EngineClient
+from lab.serve.metrics import ServerMetrics
+from lab.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, Endpoint, SamplingFields
+from lab.workloads.file import encode_record
+
+log = logging.getLogger("lab.serve")
+
+
+@dataclass
+class ServeOptions:
+    model_name: str
+    max_queue_len: int = 256        # requests accepted and not yet answered (waiting + running); past it, 429
+    drain_timeout_s: float = 30.0   # on shutdown, how long in-flight requests may take before being aborted
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return (f"{where}: {first['msg']}" if where else first["msg"]), (str(first["loc"][0]) if first["loc"] else None)
+
+
+class OpenAIServer:
+    def __init__(self, client: EngineClient, tokenizer: Any | None, vocab_size: int, options: ServeOptions) -> None:
+        self.client, self.tokenizer, self.vocab_size, self.options = client, tokenizer, vocab_size, options
+        self.metrics = ServerMetrics(options.model_name)
+        self.num_outstanding = 0
+        self.is_draining = False
+        self.created = int(time.time())
+
+    # -- parsing ---------------------------------------------------------------------------------
+    async def parse(self, http_request: HTTPRequest, schema: type[BaseModel]) -> Any:
+        try:
+            payload = json.loads(await http_request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+        if not isinstance(payload, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            body = schema.model_validate(payload)
+        except ValidationError as exc:
+            message, param = _validation_message(exc)
+            raise APIError(400, message, param=param, code="invalid_type") from None
+        if body.model != self.options.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
+                           f"`{self.options.model_name}`", param="model", code="model_not_found")
+        return body
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt")
+            return list(prompt)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        return encode_record({"prompt": prompt}, self.tokenizer)
+
+    def tokenize_chat(self, body: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return encode_record({"messages": messages}, self.tokenizer)
+        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (roles, order)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str, prompt_param: str) -> int:
+        """Check the context: prompt + max_tokens must fit (None: whatever room the context leaves)."""
+        context = self.client.max_model_len
+        if requested is not None and requested <= 0:
+            raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
+        if num_prompt_tokens >= context or num_prompt_tokens + (requested or 0) > context:
+            raise APIError(400, f"this model's maximum context length is {context} tokens; you requested "
+                           f"{num_prompt_tokens + (requested or 0)} tokens ({num_prompt_tokens} in the prompt, "
+                           f"{requested or 0} to generate)", param=prompt_param if num_prompt_tokens >= context
+                           else param, code="context_length_exceeded")
+        return requested if requested is not None else context - num_prompt_tokens
+
+    # -- generation --------------------------------------------------------------------------------
+    def admit(self) -> None:
+        if self.is_draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        if self.num_outstanding >= self.options.max_queue_len:
+            self.metrics.rejected.labels(self.options.model_name, "queue_full").inc()
+            raise APIError(429, f"the server is at capacity: {self.num_outstanding} requests outstanding "
+                           f"(serve.max_queue_len={self.options.max_queue_len}); retry later",
+                           type="rate_limit_error", code="queue_full")
+        self.num_outstanding += 1
+
+    def release(self, session: sessions.Session) -> None:
+        self.num_outstanding -= 1
+        self.metrics.observe_finished(session.finish_reason or "abort", session.request.arrival_time,
+                                      session.token_times)
+
+    async def generate(self, http_request: HTTPRequest, kind: Endpoint, body: SamplingFields,
+                       prompt_token_ids: list[int], max_tokens: int) -> Response:
+        params = body.sampling_params(max_tokens)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids, params, arrival_time=time.perf_counter())
+        self.admit()
+        self.metrics.prompt_tokens.labels(self.options.model_name).inc(len(prompt_token_ids))
+        session = sessions.Session(kind, self.options.model_name, request, self.client,
+                                   IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
+                                   body.include_usage, self.release)
+        session.submit()
+        if not body.stream:
+            response = await sessions.collect(session, http_request)
+            return Response(status_code=499) if response is None else JSONResponse(response)
+        first = await sessions.first_output(session, http_request)
+        if first is None:
+            return Response(status_code=499)
+        return sessions.SessionStreamingResponse(session, sessions.stream_events(session, first))
+
+    async def completions(self, http_request: HTTPRequest) -> Response:
+        body: CompletionRequest = await self.parse(http_request, CompletionRequest)
+        prompt_token_ids = self.tokenize_prompt(body.single_prompt())
+        max_tokens = self.max_tokens(body.max_tokens, len(prompt_token_ids), "max_tokens", "prompt")
+        return await self.generate(http_request, "completion", body, prompt_token_ids, max_tokens)
+
+    async def chat_completions(self, http_request: HTTPRequest) -> Response:
+        body: ChatCompletionRequest = await self.parse(http_request, ChatCompletionRequest)
+        prompt_token_ids = self.tokenize_chat(body)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_tokens(body.requested_max_tokens, len(prompt_token_ids), param, "messages")
+        return await self.generate(http_request, "chat", body, prompt_token_ids, max_tokens)
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "lab",
+                "root": self.options.model_name, "max_model_len": self.client.max_model_len}
+        return {"object": "list", "data": [card]}
+
+
+def create_app(server: OpenAIServer) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.client.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            # NOTE: uvicorn has already let in-flight requests finish (or cancelled them after its
+            # graceful timeout); whatever is still in the engine now has no client left.
+            server.is_draining = True
+            await asyncio.to_thread(server.client.shutdown, False, server.options.drain_timeout_s)
+
+    app = FastAPI(title="lab", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        headers = {"retry-after": "1"} if exc.status_code == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        body = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if server.is_draining else 200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = server.metrics.render(server.client.stats(), server.num_outstanding)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

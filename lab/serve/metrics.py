@@ -1,0 +1,66 @@
+"""Prometheus metrics for /metrics: engine gauges, request latencies, counters (vLLM's names, `lab:` prefix).
+
+Owns: one registry per app (so several servers can live in one process, as tests do) and what each
+finished request adds to it. Ignores: how the numbers are produced.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lab.serve.engine_loop import EngineStats
+
+LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                   0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.num_running = Gauge("lab:num_requests_running", "Requests in the engine's running batch.", labels, registry=r)
+        self.num_waiting = Gauge("lab:num_requests_waiting", "Requests queued for the engine.", labels, registry=r)
+        self.num_outstanding = Gauge("lab:num_requests_outstanding", "Requests accepted and not yet answered.",
+                                     labels, registry=r)
+        self.kv_usage = Gauge("lab:kv_cache_usage_perc", "KV bytes holding live tokens / KV bytes reserved (0-1).",
+                              labels, registry=r)
+        self.kv_used = Gauge("lab:kv_cache_used_bytes", "KV bytes holding live tokens.", labels, registry=r)
+        self.kv_reserved = Gauge("lab:kv_cache_reserved_bytes", "KV bytes allocated.", labels, registry=r)
+        self.ttft = Histogram("lab:time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("lab:time_per_output_token_seconds", "Per request: (E2EL - TTFT) / (tokens - 1).",
+                              labels, buckets=TOKEN_BUCKETS_S, registry=r)
+        self.e2el = Histogram("lab:e2e_request_latency_seconds", "Arrival to last token.", labels,
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self.finished = Counter("lab:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.rejected = Counter("lab:request_rejected", "Requests refused before reaching the engine.",
+                                labels + ["reason"], registry=r)
+        self.prompt_tokens = Counter("lab:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
+        self.generation_tokens = Counter("lab:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.model_name = model_name
+
+    def observe_finished(self, finish_reason: str, arrival: float, token_times: list[float]) -> None:
+        m = self.model_name
+        self.finished.labels(m, finish_reason).inc()
+        self.generation_tokens.labels(m).inc(len(token_times))
+        if not token_times:
+            return
+        ttft, e2el = token_times[0] - arrival, token_times[-1] - arrival
+        self.ttft.labels(m).observe(ttft)
+        self.e2el.labels(m).observe(e2el)
+        if len(token_times) > 1:
+            self.tpot.labels(m).observe((e2el - ttft) / (len(token_times) - 1))
+
+    def render(self, stats: EngineStats, num_outstanding: int) -> bytes:
+        m = self.model_name
+        self.num_running.labels(m).set(stats.num_running)
+        self.num_waiting.labels(m).set(stats.num_waiting)
+        self.num_outstanding.labels(m).set(num_outstanding)
+        self.kv_used.labels(m).set(stats.kv_used_bytes)
+        self.kv_reserved.labels(m).set(stats.kv_reserved_bytes)
+        self.kv_usage.labels(m).set(stats.kv_used_bytes / stats.kv_reserved_bytes if stats.kv_reserved_bytes else 0.0)
+        return generate_latest(self.registry)

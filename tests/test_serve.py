@@ -1,0 +1,185 @@
+"""The OpenAI-compatible server, driven by the official `openai` client (streaming and not), in-process on
+127.0.0.1 with the tiny model: outputs equal the engine's own greedy tokens, usage counts, chat template,
+stop strings, seeds, /v1/models, /health, /metrics, OpenAI-style 4xx bodies, and disconnects freeing KV.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from lab.engines.ar import AREngine
+from lab.request import Request, SamplingParams
+from lab.runner import ModelRunner
+from lab.serve.app import OpenAIServer, ServeOptions, create_app
+from lab.serve.engine_loop import ThreadEngineClient
+from lab.serve.server import ServerThread
+from tests.helpers import chat_prompt
+
+MODEL = "tiny"
+PROMPT = [10, 200, 3000, 45, 6, 789, 1011]
+
+
+class Served:
+    def __init__(self, runner: ModelRunner, max_queue_len: int = 64) -> None:
+        self.engine = AREngine(runner)
+        self.server = OpenAIServer(ThreadEngineClient(self.engine), runner.tokenizer, runner.vocab_size,
+                                   ServeOptions(MODEL, max_queue_len=max_queue_len))
+        self.thread = ServerThread(create_app(self.server))
+        self.url = self.thread.url
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Until nothing is outstanding and the engine holds no live KV (or fail with the numbers)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.server.client.stats()
+            if self.server.num_outstanding == 0 and stats.kv_used_bytes == 0 and stats.num_running == 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not idle: outstanding={self.server.num_outstanding} stats={self.server.client.stats()}")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_text_runner: ModelRunner) -> Iterator[Served]:
+    served = Served(tiny_text_runner)
+    with served.thread:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+
+def reference_tokens(runner: ModelRunner, prompt: list[int], max_tokens: int) -> list[int]:
+    """The engine's own greedy output, run directly (the server's engine thread is idle meanwhile)."""
+    request = Request("ref", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return AREngine(runner).run([request]).requests[0].output_token_ids
+
+
+def test_completion_matches_engine_greedy_and_counts_usage(served: Served, client: openai.OpenAI,
+                                                           tiny_text_runner: ModelRunner) -> None:
+    expected = reference_tokens(tiny_text_runner, PROMPT, 12)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == tiny_text_runner.tokenizer.decode(expected, skip_special_tokens=True)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (7, 12, 19)
+
+
+def test_streamed_completion_equals_non_streamed(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert len([c for c in chunks if c.choices]) > 1, "streamed as one chunk"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_applies_template_streaming_and_not(client: openai.OpenAI, tiny_text_runner: ModelRunner) -> None:
+    messages = [{"role": "user", "content": "Write a haiku about GPUs."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert whole.usage.prompt_tokens == len(chat_prompt(tiny_text_runner.tokenizer, messages[0]["content"]))
+    assert whole.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_frees_the_request(served: Served, client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                        stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(out) if stream else [out]
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == full[:full.index(stop)], f"stream={stream}: {text!r} vs stop {stop!r} in {full!r}"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    served.wait_idle()
+
+
+def test_seeded_sampling_repeats(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9,
+                                         seed=seed, extra_body={"top_k": 50}).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1, "different seeds gave one text"
+
+
+def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(served.url + "/health").status_code == 200
+    text = httpx.get(served.url + "/metrics").text
+    for name in ("lab:num_requests_running", "lab:num_requests_waiting", "lab:kv_cache_usage_perc",
+                 "lab:time_to_first_token_seconds_bucket", "lab:time_per_output_token_seconds_count",
+                 "lab:request_success_total"):
+        assert name in text, f"{name} missing from /metrics"
+
+
+BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
+    ("malformed json", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("unknown model", {"model": "gpt-5", "prompt": "hi"}, 404, "model"),
+    ("missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", {"model": MODEL, "prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ("max_tokens a string", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("prompt a number", {"model": MODEL, "prompt": 123}, 400, "prompt"),
+    ("temperature a string", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("temperature negative", {"model": MODEL, "prompt": "hi", "temperature": -1.0}, 400, "temperature"),
+    ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0.0}, 400, "top_p"),
+    ("n 2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("token id out of range", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("prompt over the context", {"model": MODEL, "prompt": [5] * 2048, "max_tokens": 1}, 400, "prompt"),
+    ("generation over the context", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 2040}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(served: Served, name: str, body: Any, status: int,
+                                                              param: str | None) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(served.url + "/v1/completions", headers={"content-type": "application/json"}, **kwargs)
+    assert response.status_code == status, f"{name}: {response.status_code} {response.text}"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["param"] == param, error
+    ok = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_chat_bad_messages_are_400(served: Served) -> None:
+    for messages in ([], "hello", [{"content": "no role"}]):
+        response = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert response.status_code == 400, f"{messages!r}: {response.text}"
+        assert response.json()["error"]["param"].startswith("messages"), response.text
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv(served: Served) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", served.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert '"text"' in first
+        # leaving the block closes the connection mid-stream
+    served.wait_idle()
+    assert not served.engine.has_unfinished_requests()
+    assert served.engine.kv_usage()[1] == 0, f"KV still in use: {served.engine.kv_usage()}"
