@@ -91,6 +91,7 @@ class EngineLoop:
         self.tracked: dict[str, _Tracked] = {}
         self.stats = EngineStats()
         self._shutdown: Shutdown | None = None
+        self._warned_abort = False
 
     # -- commands --------------------------------------------------------------------------------
     def _handle(self, command: Command, outputs: list[RequestOutput]) -> None:
@@ -115,7 +116,10 @@ class EngineLoop:
             found = self.engine.abort_request(command.request_id, command.reason)
         except NotImplementedError:
             # NOTE: this engine cannot release a running request; it runs to its end and is dropped then.
-            log.warning("%s cannot abort running request %s", self.engine.name, command.request_id)
+            if not self._warned_abort:
+                log.warning("engine %s cannot abort requests: aborted ones run to their end (KV held until then)",
+                            self.engine.name)
+                self._warned_abort = True
             tracked.is_abort_pending = True
             return
         if found is not None:
@@ -173,14 +177,18 @@ class EngineLoop:
                                  num_steps=self.stats.num_steps + 1)
 
     def run(self) -> None:
-        """Serve commands until a Shutdown (after draining, or aborting, what is in flight)."""
+        """Serve commands until a Shutdown: drain what is in flight first, or abort it and stop at once."""
         while True:
             outputs: list[RequestOutput] = []
             busy = self.engine.has_unfinished_requests()
             for command in self._next_commands(block=not busy and self._shutdown is None):
                 self._handle(command, outputs)
             if self._shutdown is not None and not self._shutdown.drain:
+                # NOTE: requests the engine cannot abort are answered anyway: the engine is going away.
                 outputs += self._abort_all("server shutting down")
+                self._update_stats()
+                self.emit(outputs, self.stats)
+                return
             if self.engine.has_unfinished_requests():
                 self._step(outputs)
             self._update_stats()
@@ -190,9 +198,12 @@ class EngineLoop:
                 return
 
     def _abort_all(self, reason: str) -> list[RequestOutput]:
-        outputs = []
+        outputs: list[RequestOutput] = []
         for request_id in list(self.tracked):
             self._abort(AbortRequest(request_id, reason), outputs)
+        for request_id in list(self.tracked):   # the ones the engine could not release
+            self._forget(request_id)
+            outputs.append(RequestOutput(request_id, [], "abort", reason))
         return outputs
 
 
