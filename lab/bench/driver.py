@@ -1,0 +1,100 @@
+"""The benchmark run: wait for the endpoint, warm up, then send each request at its arrival offset (the
+workload's ArrivalProcess: rate, burstiness) under an optional max_concurrency (closed loop: a request
+waits for a free slot and its clock starts when it is sent, as in vLLM), and gather every stream.
+
+Owns: timing of sends and the HTTP session. Ignores: what the requests contain and the statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from lab.bench.client import Api, BenchRequest, StreamOutput, build_payload, send
+from lab.errors import LabError
+
+
+@dataclass
+class Target:
+    endpoint: str                         # base URL ending in /v1
+    api: Api = "completions"
+    model: str | None = None              # None: the first model /models lists
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    request_timeout_s: float = 6 * 3600
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.rstrip("/") + ("/completions" if self.api == "completions" else "/chat/completions")
+
+
+async def wait_ready(session: aiohttp.ClientSession, target: Target, timeout_s: float) -> str:
+    """Poll /models until the server answers; returns the model to use."""
+    deadline = time.monotonic() + timeout_s
+    last_error = ""
+    while True:
+        try:
+            async with session.get(target.endpoint.rstrip("/") + "/models") as response:
+                if response.status == 200:
+                    models = [m["id"] for m in (await response.json()).get("data", [])]
+                    if target.model is not None:
+                        return target.model
+                    if models:
+                        return models[0]
+                    last_error = "the server lists no models"
+                else:
+                    last_error = f"HTTP {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            last_error = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            raise LabError(f"endpoint {target.endpoint} is not ready after {timeout_s:.0f} s ({last_error})",
+                           "start the server first, or check `endpoint` (it should end in /v1)")
+        await asyncio.sleep(0.5)
+
+
+async def run_requests(session: aiohttp.ClientSession, target: Target, model: str, requests: list[BenchRequest],
+                       offsets: list[float], max_concurrency: int | None) -> tuple[list[StreamOutput], float]:
+    """Send every request at its offset; returns (outputs in request order, duration in seconds)."""
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def one(request: BenchRequest) -> StreamOutput:
+        arrived = time.perf_counter()
+        async with semaphore:
+            payload = build_payload(request, target.api, model, target.extra_body)
+            output = await send(session, target.url, payload, target.api, request.prompt_len)
+        output.client_queue_time = output.start_time - arrived
+        return output
+
+    start = time.perf_counter()
+    tasks = []
+    for request, offset in zip(requests, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(request)))
+    outputs = await asyncio.gather(*tasks)
+    return list(outputs), time.perf_counter() - start
+
+
+async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[float],
+                    max_concurrency: int | None = None, num_warmups: int = 0,
+                    ready_timeout_s: float = 120.0) -> tuple[list[StreamOutput], float, str]:
+    """(outputs, duration, model): one ready check, `num_warmups` unmeasured requests, then the run."""
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=target.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = await wait_ready(session, target, ready_timeout_s)
+        probe = await send(session, target.url, build_payload(requests[0], target.api, model, target.extra_body),
+                           target.api, requests[0].prompt_len)
+        if not probe.success:
+            raise LabError(f"the first test request to {target.url} failed: {probe.error}",
+                           "check the endpoint, `api` (completions | chat) and `model`")
+        if num_warmups:
+            warmups = [requests[i % len(requests)] for i in range(num_warmups)]
+            await run_requests(session, target, model, warmups, [0.0] * num_warmups, max_concurrency)
+        outputs, duration = await run_requests(session, target, model, requests, offsets, max_concurrency)
+    return outputs, duration, model

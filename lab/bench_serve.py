@@ -1,0 +1,137 @@
+"""`lab-bench-serve` / `python -m lab.bench_serve`: benchmark any OpenAI-compatible endpoint (ours, vLLM,
+SGLang, TensorRT-LLM's trtllm-serve, llama.cpp's server) with a workload group's prompts and arrivals:
+  lab-bench-serve endpoint=http://127.0.0.1:8000/v1 workload=sharegpt workload.request_rate=4
+Writes results.json with vLLM's `bench serve` field names into the Hydra run directory.
+
+The only module of the benchmark client that touches DictConfig (conf/bench_serve.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from lab.bench.client import BenchRequest
+from lab.bench.driver import Target, benchmark
+from lab.bench.metrics import calculate, detailed
+from lab.errors import LabError
+from lab.request import Request
+from lab.run import _unwrap, build_requests
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+PROMPT_FORMATS = ("auto", "text", "token_ids")
+
+
+@dataclass
+class TokenizerOnly:
+    """What build_requests needs from a runner, without loading any weights."""
+
+    tokenizer: Any
+    vocab_size: int
+
+
+def load_tokenizer(name: str) -> Any:
+    """`smollm2` (the bundled model's tokenizer, also `tiny`'s) or a local HF directory / cached hub id."""
+    from transformers import AutoTokenizer
+
+    if name in ("smollm2", "tiny"):
+        from lab.models.sources import convert_smollm2, default_cache_dir
+
+        return AutoTokenizer.from_pretrained(convert_smollm2(default_cache_dir()))
+    try:
+        return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except OSError as exc:
+        raise LabError(f"tokenizer {name!r} is neither `smollm2` nor a local/cached HF tokenizer ({exc})",
+                       "set tokenizer=smollm2 or tokenizer=/path/to/hf/model") from None
+
+
+def to_bench_request(request: Request, tokenizer: Any, prompt_format: str) -> BenchRequest:
+    """The workload's text when it has one (auto, text), else its token ids (auto, token_ids) or their decoding."""
+    if prompt_format not in PROMPT_FORMATS:
+        raise LabError(f"prompt_format={prompt_format!r} is unknown", f"use one of {', '.join(PROMPT_FORMATS)}")
+    prompt: str | list[int]
+    if prompt_format == "token_ids" or (prompt_format == "auto" and request.prompt is None):
+        prompt = list(request.prompt_token_ids)
+    else:
+        prompt = request.prompt if request.prompt is not None else tokenizer.decode(request.prompt_token_ids)
+    p = request.sampling_params
+    return BenchRequest(prompt, request.num_prompt_tokens, p.max_tokens, p.ignore_eos, p.temperature, p.top_p,
+                        p.top_k, p.seed, request.request_id)
+
+
+def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
+    """vLLM's summary block."""
+    rows = [("Successful requests:", result["completed"]), ("Failed requests:", result["failed"]),
+            ("Benchmark duration (s):", result["duration"]), ("Total input tokens:", result["total_input_tokens"]),
+            ("Total generated tokens:", result["total_output_tokens"]),
+            ("Request throughput (req/s):", result["request_throughput"]),
+            ("Output token throughput (tok/s):", result["output_throughput"]),
+            ("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]),
+            ("Peak concurrent requests:", result["max_concurrent_requests"]),
+            ("Total token throughput (tok/s):", result["total_token_throughput"])]
+    print("{:=^50}".format(" Serving Benchmark Result "))
+    for label, value in rows:
+        print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
+    for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{:-^50}".format(header))
+        for stat in ("mean", "median", *[f"p{p:g}" for p in percentiles]):
+            print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
+    print("=" * 50)
+
+
+def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    tokenizer = load_tokenizer(str(cfg.tokenizer))
+    requests, warmups, arrival, workload_name = build_requests(cfg, TokenizerOnly(tokenizer, len(tokenizer)))
+    bench_requests = [to_bench_request(r, tokenizer, cfg.prompt_format) for r in requests]
+    target = Target(cfg.endpoint, cfg.api, cfg.model, OmegaConf.to_container(cfg.extra_body, resolve=True) or {},
+                    float(cfg.request_timeout_s))
+    offsets = [r.arrival_time for r in requests]
+    outputs, duration, model = asyncio.run(benchmark(target, bench_requests, offsets, arrival.max_concurrency,
+                                                     len(warmups), float(cfg.ready_timeout_s)))
+    percentiles = [float(p) for p in cfg.percentiles]
+    slo = OmegaConf.to_container(cfg.slo, resolve=True)
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": f"openai-{cfg.api}",
+        "backend": f"openai-{cfg.api}", "label": cfg.label, "model_id": model, "tokenizer_id": str(cfg.tokenizer),
+        "endpoint": cfg.endpoint, "workload": workload_name, "num_prompts": len(requests),
+        "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
+        "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
+        **calculate(outputs, duration, tokenizer, tuple(percentiles), slo)}
+    if cfg.save_detailed:
+        result.update(detailed(outputs, tokenizer))
+    errors = [o.error for o in outputs if not o.success]
+    result["first_errors"] = errors[:5]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # NOTE: inf is not JSON; vLLM writes it as the string "inf".
+    (run_dir / "results.json").write_text(json.dumps(
+        {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in result.items()}, indent=2))
+    if cfg.print_table:
+        print_table(result, percentiles)
+        print(f"results: {run_dir / 'results.json'}")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="bench_serve")
+def main(cfg: DictConfig) -> float | None:
+    try:
+        return float(bench(cfg, Path(HydraConfig.get().runtime.output_dir))["output_throughput"])
+    except Exception as raw:  # noqa: BLE001 - one clear message for the user's mistakes
+        exc = _unwrap(raw)
+        if not isinstance(exc, LabError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The serving benchmark client: vLLM's metric definitions on hand-made timings, and end to end against
+our server in-process (127.0.0.1, tiny model): counts, chunk timings, closed-loop concurrency, failures,
+and the Hydra entry writing results.json with vLLM's field names."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lab.bench.client import BenchRequest, StreamOutput
+from lab.bench.driver import Target, benchmark
+from lab.bench.metrics import calculate, peak_concurrency
+from lab.bench_serve import bench
+from lab.runner import ModelRunner
+from lab.serve.app import OpenAIServer, ServeOptions, create_app
+from lab.serve.engine_loop import ThreadEngineClient
+from lab.serve.server import ServerThread
+from tests.conftest import CONF_DIR, compose_cfg
+
+VLLM_FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+               "max_output_tokens_per_s", "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms",
+               "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms", "p99_tpot_ms",
+               "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms",
+               "std_e2el_ms", "p99_e2el_ms"]
+
+
+def compose_cfg_bench(overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="bench_serve", overrides=overrides)
+
+
+def test_metrics_follow_vllm_definitions() -> None:
+    # request a: sent at 0, chunks at 0.1, 0.3, 0.6 (3 tokens); b: sent at 0.5, one token at 0.7;
+    # c: failed (not timed, counted as failed)
+    a = StreamOutput(True, "abc", prompt_len=10, output_tokens=3, ttft=0.1, itl=[0.2, 0.3], latency=0.6, start_time=0.0)
+    b = StreamOutput(True, "d", prompt_len=4, output_tokens=1, ttft=0.2, itl=[], latency=0.2, start_time=0.5)
+    c = StreamOutput(False, error="HTTP 429")
+    result = calculate([a, b, c], duration=2.0, slo={"ttft_ms": 150.0})
+    assert (result["completed"], result["failed"]) == (2, 1)
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (14, 4)
+    assert result["output_throughput"] == pytest.approx(2.0) and result["request_throughput"] == pytest.approx(1.0)
+    assert result["mean_tpot_ms"] == pytest.approx(250.0), "TPOT = (latency - ttft) / (tokens - 1), only a counts"
+    assert result["mean_itl_ms"] == pytest.approx(250.0) and result["max_itl_ms"] == pytest.approx(300.0)
+    assert result["mean_ttft_ms"] == pytest.approx(150.0) and result["median_e2el_ms"] == pytest.approx(400.0)
+    assert result["request_goodput"] == pytest.approx(0.5), "only a meets TTFT <= 150 ms"
+    assert result["max_concurrent_requests"] == 2 and result["max_output_tokens_per_s"] == 4.0
+
+
+def test_peak_concurrency_treats_intervals_as_half_open() -> None:
+    back_to_back = [StreamOutput(True, start_time=0.0, latency=1.0), StreamOutput(True, start_time=1.0, latency=1.0)]
+    assert peak_concurrency(back_to_back) == 1
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_text_runner: ModelRunner) -> Iterator[str]:
+    engine = instantiate(compose_cfg(["model=tiny", "engine=cb_paged"]).engine, runner=tiny_text_runner, seed=0)
+    server = OpenAIServer(ThreadEngineClient(engine), tiny_text_runner.tokenizer, tiny_text_runner.vocab_size,
+                          ServeOptions("tiny", max_queue_len=256))
+    with ServerThread(create_app(server)) as thread:
+        yield thread.url + "/v1"
+
+
+def requests_of(lengths: list[tuple[int, int]]) -> list[BenchRequest]:
+    return [BenchRequest([100 + i + j for j in range(n_in)], n_in, n_out) for i, (n_in, n_out) in enumerate(lengths)]
+
+
+def test_end_to_end_counts_tokens_and_times_every_chunk(server_url: str) -> None:
+    lengths = [(8, 5), (16, 9), (4, 1), (12, 7), (20, 3), (6, 11)]
+    outputs, duration, model = asyncio.run(benchmark(Target(server_url), requests_of(lengths), [0.0, 0.05, 0.1,
+                                                     0.1, 0.2, 0.3], max_concurrency=2, ready_timeout_s=10))
+    assert model == "tiny"
+    assert all(o.success for o in outputs), [o.error for o in outputs]
+    assert [o.output_tokens for o in outputs] == [n for _, n in lengths]
+    assert [o.prompt_len for o in outputs] == [n for n, _ in lengths]
+    # NOTE: our server sends one chunk per token, so every output token after the first is one ITL gap
+    assert [len(o.itl) for o in outputs] == [n - 1 for _, n in lengths]
+    assert all(0 < o.ttft <= o.latency <= duration for o in outputs)
+    result = calculate(outputs, duration)
+    assert result["max_concurrent_requests"] <= 2, "closed loop exceeded max_concurrency"
+    assert result["total_output_tokens"] == sum(n for _, n in lengths)
+
+
+def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
+    requests = requests_of([(4, 2), (4, 5000), (4, 2)])   # the second exceeds the context: HTTP 400
+    outputs, duration, _ = asyncio.run(benchmark(Target(server_url), requests, [0.0] * 3, ready_timeout_s=10))
+    assert [o.success for o in outputs] == [True, False, True]
+    assert outputs[1].error.startswith("HTTP 400") and "context" in outputs[1].error
+    assert calculate(outputs, duration)["failed"] == 1
+
+
+def test_chat_api_streams_text(server_url: str) -> None:
+    requests = [BenchRequest("Tell me a story about a cat.", 8, 6), BenchRequest("Hello!", 3, 4)]
+    outputs, _, _ = asyncio.run(benchmark(Target(server_url, api="chat"), requests, [0.0, 0.0], ready_timeout_s=10))
+    assert all(o.success and o.generated_text for o in outputs), [o.error for o in outputs]
+    assert [o.output_tokens for o in outputs] == [6, 4]
+    assert outputs[0].prompt_len > 8, "the server's usage (chat template included) replaces the local count"
+
+
+def test_hydra_entry_writes_vllm_result_fields(server_url: str, tmp_path: Path) -> None:
+    cfg = compose_cfg_bench([f"endpoint={server_url}", "workload.num_prompts=6", "workload.input_len=16",
+                             "workload.output_len=4", "workload.request_rate=50", "workload.num_warmups=1",
+                             "print_table=false", "save_detailed=true"])
+    result = bench(cfg, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    missing = [k for k in VLLM_FIELDS if k not in saved]
+    assert not missing, f"results.json lacks vLLM fields {missing}"
+    assert (saved["completed"], saved["total_input_tokens"], saved["total_output_tokens"]) == (6, 96, 24)
+    assert saved["request_rate"] == 50 and len(saved["ttfts"]) == 6 and result["num_warmups"] == 1
