@@ -205,7 +205,7 @@ class SplitAttention:
         values = self._decode_kv(cache.v[layer_idx], meta, 1)
         num_kv_heads, num_heads, head_dim = keys.shape[1], q.shape[1], q.shape[2]
         # NOTE: fold the G query heads of a KV group into the query axis: each KV head is read once.
-        queries = q[:meta.num_seqs].view(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        queries = q[:meta.num_seqs].reshape(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if meta.mode == "view":
             padded = queries.new_zeros((meta.num_rows, *queries.shape[1:]))
             padded[meta.block_ids] = queries
