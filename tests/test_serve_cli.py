@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +39,7 @@ def wait_healthy(url: str, process: subprocess.Popen[str], timeout_s: float = 12
     raise AssertionError("server did not become healthy")
 
 
+@pytest.mark.slow
 def test_cli_serves_then_drains_in_flight_stream_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -69,6 +69,7 @@ class ProcessReplica:
         self.process = ctx.Process(target=replica_main, args=(index, factory, cpus, self.inbox, self.outbox),
                                    name=f"lab-replica-{index}", daemon=True)
         self.sinks = Sinks()
+        self.num_requests = 0       # routed here so far
         self.info: ReplicaInfo | None = None
         self._stats = EngineStats()
         self.reader = threading.Thread(target=self._read, name=f"replica-{index}-reader", daemon=True)
@@ -115,6 +116,7 @@ class ProcessReplica:
 
     def add_request(self, request: Request, sink: "asyncio.Queue[RequestOutput]") -> None:
         self.sinks.queues[request.request_id] = sink
+        self.num_requests += 1
         self.inbox.put(AddRequest(request))
 
     def abort_request(self, request_id: str) -> None:
