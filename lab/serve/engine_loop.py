@@ -242,12 +242,12 @@ class Sinks:
 class ThreadEngineClient:
     """One engine stepped by a dedicated thread in this process."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, sync: Callable[[list[Command]], list[Command]] | None = None) -> None:
         self.engine = engine
         self.max_model_len = engine.runner.max_model_len
         self.sinks = Sinks()
         self._stats = EngineStats()
-        self.loop = EngineLoop(engine, self._emit)
+        self.loop = EngineLoop(engine, self._emit, sync=sync)
         self.thread = threading.Thread(target=self.loop.run, name="engine-loop", daemon=True)
 
     def _emit(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
