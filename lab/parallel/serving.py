@@ -9,6 +9,7 @@ Owns: the command broadcast and the follower ranks' loop. Ignores: HTTP (the app
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from lab.parallel.distributed import ParallelContext, destroy, init_distributed
 from lab.serve.engine_loop import AddRequest, Command, EngineLoop, ThreadEngineClient
+from lab.serve.replicas import split_cpus
 
 
 class CommandBroadcast:
@@ -53,8 +55,12 @@ def serve_tensor_parallel(cfg: Any, factory: Callable[[int], Any], make_app: Cal
     from lab.serve.server import serve_forever
 
     ctx = init_distributed(int(cfg.serve.tensor_parallel))
-    if not torch.cuda.is_available() and cfg.get("threads") is None:
-        torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world_size))
+    if not torch.cuda.is_available() and cfg.serve.pin_cpus and ctx.world_size == int(os.environ.get(
+            "LOCAL_WORLD_SIZE", ctx.world_size)):
+        # NOTE: as replicas are: each rank on its own cores, so ranks do not steal each other's time.
+        cpus = split_cpus(ctx.world_size)[ctx.local_rank]
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(int(cfg.threads) if cfg.get("threads") else len(cpus))
     engine = factory(ctx.local_rank)
     try:
         if not ctx.is_leader:

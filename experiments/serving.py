@@ -1,0 +1,158 @@
+"""Serving throughput-latency curves: for each server config in conf/experiment/serving.yaml
+(`serving.servers`: replicas=1 vs 2, tensor_parallel=1 vs 2), start `lab-serve` (torchrun when nproc > 1)
+on 127.0.0.1, sweep `serving.rates` with the benchmark client (lab.bench_serve, vLLM's metrics), stop the
+server; then write results.json, a markdown table and a plot of p99 TTFT / p99 TPOT / throughput vs rate.
+
+    python experiments/serving.py                                   # all servers, all rates
+    python experiments/serving.py serving.rates=[2,inf] workload.num_prompts=16 serving.model=tiny
+
+Arguments are Hydra overrides of conf/bench_serve.yaml + experiment=serving. Owns: launching servers and
+collecting the sweep. Ignores: how latencies are measured (lab.bench) and served (lab.serve).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from lab.bench_serve import CONF_DIR, bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = (("request_throughput", "req/s"), ("output_throughput", "out tok/s"), ("median_ttft_ms", "p50 TTFT ms"),
+           ("p99_ttft_ms", "p99 TTFT ms"), ("median_tpot_ms", "p50 TPOT ms"), ("p99_tpot_ms", "p99 TPOT ms"),
+           ("completed", "ok"), ("failed", "failed"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(cfg: DictConfig, spec: DictConfig, port: int, log_path: Path) -> subprocess.Popen[bytes]:
+    overrides = [f"model={cfg.serving.model}", f"engine={cfg.serving.engine}", f"serve.port={port}",
+                 "serve.served_model_name=served", "serve.log_level=warning", "serve.max_queue_len=100000",
+                 f"hydra.run.dir={log_path.parent / (log_path.stem + '_hydra')}", *spec.overrides]
+    nproc = int(spec.get("nproc", 1))
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+                 "127.0.0.1", f"--master-port={free_port()}"] if nproc > 1 else [sys.executable])
+    log = log_path.open("wb")
+    return subprocess.Popen([*launcher, "-m", "lab.serve", *overrides], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited ({process.returncode}); see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not healthy after {timeout_s} s; see {log_path}")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the whole session (torchrun and its ranks too), then kill what is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with_suppressed_kill(process)
+
+
+def with_suppressed_kill(process: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path) -> list[dict[str, Any]]:
+    port = free_port()
+    log_path = out_dir / f"{name}.server.log"
+    process = start_server(cfg, spec, port, log_path)
+    rows = []
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, float(cfg.serving.startup_timeout_s), log_path)
+        for rate in cfg.serving.rates:
+            run_cfg = copy.deepcopy(cfg)
+            OmegaConf.update(run_cfg, "endpoint", f"http://127.0.0.1:{port}/v1")
+            OmegaConf.update(run_cfg, "workload.request_rate", float(rate))
+            result = bench(run_cfg, out_dir / f"{name}_rate{rate}")
+            rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS}})
+            print(format_row(rows[-1]), flush=True)
+    finally:
+        stop_server(process)
+    return rows
+
+
+def format_row(row: dict[str, Any]) -> str:
+    rate = "inf" if math.isinf(row["rate"]) else f"{row['rate']:g}"
+    cells = [row["server"], rate] + [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k, _ in COLUMNS]
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = "| server | rate (req/s) | " + " | ".join(label for _, label in COLUMNS) + " |"
+    return "\n".join([header, "|" + "---|" * (len(COLUMNS) + 2), *(format_row(r) for r in rows)])
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for server in dict.fromkeys(r["server"] for r in rows):
+        points = [r for r in rows if r["server"] == server]
+        x = [r["request_throughput"] for r in points]  # NOTE: achieved rate, so `inf` has a place on the axis
+        axes[0].plot(x, [r["p99_ttft_ms"] for r in points], "o-", label=server)
+        axes[1].plot(x, [r["p99_tpot_ms"] for r in points], "o-", label=server)
+        axes[2].plot(x, [r["output_throughput"] for r in points], "o-", label=server)
+    for ax, label in zip(axes, ("p99 TTFT (ms)", "p99 TPOT (ms)", "output tok/s")):
+        ax.set_xlabel("achieved request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(overrides: list[str]) -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="bench_serve", overrides=["+experiment=serving", *overrides])
+    out_dir = ROOT / cfg.serving.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for name, spec in cfg.serving.servers.items():
+        print(f"== {name}: {list(spec.overrides)}", flush=True)
+        rows += sweep_server(cfg, name, spec, out_dir)
+    (out_dir / "results.json").write_text(json.dumps({"config": OmegaConf.to_container(cfg, resolve=True),
+                                                      "rows": rows}, indent=2, default=str))
+    (out_dir / "table.md").write_text(table(rows) + "\n")
+    plot(rows, out_dir / "serving.png")
+    print(table(rows))
+    print(f"results: {out_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
