@@ -60,6 +60,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose KV is in the cache (vLLM's token-progress model)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # one timestamp per output token
     finished_time: float | None = None

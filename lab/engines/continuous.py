@@ -68,28 +68,37 @@ class ContinuousBatchingEngine(Engine):
         return finished
 
     # -- one forward -------------------------------------------------------------------------------
-    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run the scheduled tokens as one flat batch; returns {request_id: sampled token}."""
+    def _execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        """Run the scheduled tokens as one flat batch; returns {request_id: sampled token(s)}.
+
+        A request that reaches its last known token gets logits there and, with speculation, at each
+        of its draft tokens too (1 + num_spec rows, consecutive)."""
         counts = out.num_scheduled_tokens
         # NOTE: single-token queries first: the attention backend batches them into one SDPA call.
         order = sorted(out.scheduled, key=lambda r: counts[r.request_id] != 1)
         seqs, token_ids, sample_rows, samplers = [], [], [], []
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]
+            spec = out.scheduled_spec_token_ids.get(request.request_id, [])
             seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num))
-            token_ids.extend(_token_slice(request, start, num))
+            token_ids.extend(_token_slice(request, start, num - len(spec)) + spec)
             if out.samples(request):
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
                 samplers.append(request)
         self.kv_cache.begin_step(seqs)
         input_ids = torch.tensor(token_ids, dtype=torch.long)[None]                          # (1, N)
         positions = self.kv_cache.index.positions[None]                                      # (1, N)
         with self.phases.phase(_phase_name(out), num_tokens=len(token_ids)):
             logits = self.runner.execute(input_ids, positions, self.kv_cache,
-                                         logits_index=torch.tensor(sample_rows, dtype=torch.long))[0]  # (R, V)
-            sampled = self.sampler.sample(logits, [r.sampling_params for r in samplers],
-                                          [self.generator_for(r) for r in samplers]) if samplers else []
-        return {r.request_id: token for r, token in zip(samplers, sampled)}
+                                         logits_index=torch.tensor(sample_rows, dtype=torch.long))[0]  # (R', V)
+            return self.select_tokens(out, samplers, logits) if samplers else {}
+
+    def select_tokens(self, out: SchedulerOutput, requests: list[Request],
+                      logits: torch.Tensor) -> dict[str, int | list[int]]:
+        """The hook speculative decoding overrides: logits (R, V), one row per sampling request."""
+        sampled = self.sampler.sample(logits, [r.sampling_params for r in requests],
+                                      [self.generator_for(r) for r in requests])
+        return {r.request_id: token for r, token in zip(requests, sampled)}
 
     # -- accounting --------------------------------------------------------------------------------
     def _kv_tokens(self) -> tuple[int, int]:
@@ -125,6 +134,6 @@ def _token_slice(request: Request, start: int, num: int) -> list[int]:
 
 
 def _phase_name(out: SchedulerOutput) -> str:
-    is_decode = [out.num_scheduled_tokens[r.request_id] == 1 and r.num_output_tokens > 0
+    is_decode = [out.num_scheduled_tokens[r.request_id] == 1 + out.num_spec_tokens(r) and r.num_output_tokens > 0
                  and r.num_computed_tokens == r.num_tokens - 1 for r in out.scheduled]
     return "decode" if all(is_decode) else "prefill" if not any(is_decode) else "mixed"

@@ -100,7 +100,8 @@ class PagedKVCacheManager:
     def _publish_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
+        # NOTE: speculative tokens hold KV slots but are not the request's tokens yet: never publish them.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_published.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -34,6 +34,7 @@ class SchedulerOutput:
     scheduled_new_request_ids: list[str] = field(default_factory=list)  # admitted this step
     preempted_request_ids: list[str] = field(default_factory=list)     # newest first
     num_prefix_hit_tokens: int = 0                                     # KV reused at admission
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts fed this step
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled.append(request)
@@ -53,4 +54,7 @@ class SchedulerOutput:
 
     def samples(self, request: Request) -> bool:
         """Does this step reach the request's last known token, so its logits give a new token?"""
-        return request.num_computed_tokens + self.num_scheduled_tokens[request.request_id] == request.num_tokens
+        return request.num_computed_tokens + self.num_scheduled_tokens[request.request_id] >= request.num_tokens
+
+    def num_spec_tokens(self, request: Request) -> int:
+        return len(self.scheduled_spec_token_ids.get(request.request_id, ()))

@@ -76,9 +76,14 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:   # preempted earlier in this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_uncomputed = request.num_tokens - request.num_computed_tokens
+            # NOTE: drafts ride along with a decode's last token; the budget may cut some of them.
+            num_spec = min(len(request.spec_token_ids), budget - 1) if num_uncomputed == 1 else 0
+            num_new = min(num_uncomputed + num_spec, budget)
             if self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
+                if num_spec > 0:
+                    out.scheduled_spec_token_ids[request.request_id] = request.spec_token_ids[:num_spec]
                 budget -= num_new
         if not out.preempted_request_ids:
             self._admit(out, budget)
@@ -127,18 +132,27 @@ class Scheduler:
             out.num_prefix_hit_tokens += prefix.num_tokens
             budget -= num_new
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]],
                            now: float | None = None) -> list[Request]:
-        """Advance every scheduled request by its tokens and append its sampled token; returns the
-        requests that finished (and any failed since the last step), their KV freed."""
+        """Advance every scheduled request by its tokens and append its sampled token(s); returns the
+        requests that finished (and any failed since the last step), their KV freed.
+
+        With speculation a request samples 1..k+1 tokens (accepted drafts + one target token); the KV of
+        rejected drafts is rolled back by not counting it as computed (it is overwritten later)."""
         finished, self._failed = self._failed, []
         for request in out.scheduled:
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
-            token_id = sampled_token_ids.get(request.request_id)
-            if token_id is not None and request.append_output_token(token_id, self.eos_token_ids, now):
-                self.running.remove(request)
-                self.kv_manager.free(request)
-                finished.append(request)
+            num_spec = out.num_spec_tokens(request)
+            sampled = sampled_token_ids.get(request.request_id)
+            tokens = [] if sampled is None else [sampled] if isinstance(sampled, int) else sampled
+            num_rejected = num_spec - (len(tokens) - 1) if tokens else 0
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id] - num_rejected
+            request.spec_token_ids = []
+            for token_id in tokens:
+                if request.append_output_token(token_id, self.eos_token_ids, now):
+                    self.running.remove(request)
+                    self.kv_manager.free(request)
+                    finished.append(request)
+                    break
         return finished
 
     def abort_running(self, error: str) -> list[Request]:

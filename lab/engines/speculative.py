@@ -1,0 +1,127 @@
+"""SpeculativeEngine (engine=speculative): continuous batching on the paged cache, plus a Proposer that
+drafts k tokens per running request after every step; the next step's target forward verifies them all
+(1 + k positions per request, every request in one flat batch) and the RejectionSampler keeps the output
+exactly the target's (greedy: token for token; sampling: in distribution).
+
+Overrides one hook of ContinuousBatchingEngine (`select_tokens`: verify instead of sample) and appends a
+draft phase to `step`. `num_spec_tokens=0` is the plain engine. Metrics follow vLLM's spec-decode names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.errors import LabError
+from lab.kv_cache import KVCacheConfig
+from lab.request import Request
+from lab.runner import ModelRunner
+from lab.sample.rejection import RejectionSampler
+from lab.sched import SchedulerConfig, SchedulerOutput
+from lab.spec.proposer import Draft, ProposerConfig
+
+
+class SpeculativeEngine(ContinuousBatchingEngine):
+    def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
+                 scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
+                 name: str | None = None, seed: int = 0) -> None:
+        super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
+        if num_spec_tokens < 0:
+            raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
+        self.num_spec_tokens = num_spec_tokens
+        self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
+        self.rejection_sampler = RejectionSampler()
+        self._drafts: dict[str, Draft] = {}
+        self._reset_spec_counters()
+
+    def _reset_spec_counters(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_target_forwards = self.num_emitted_tokens = 0
+        self.accepted_per_position = [0] * self.num_spec_tokens
+        self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self._reset_spec_counters()
+
+    # -- verify (the hook) ---------------------------------------------------------------------------
+    def select_tokens(self, out: SchedulerOutput, requests: list[Request],
+                      logits: torch.Tensor) -> dict[str, int | list[int]]:
+        sampled: dict[str, int | list[int]] = {}
+        row = 0
+        self.num_target_forwards += 1
+        for request in requests:
+            spec = out.scheduled_spec_token_ids.get(request.request_id, [])
+            rows = logits[row:row + 1 + len(spec)]                                       # (1 + k, V)
+            row += 1 + len(spec)
+            draft = self._drafts.pop(request.request_id, None)
+            probs = None if draft is None or draft.probs is None else draft.probs[:len(spec)]
+            result = self.rejection_sampler.verify(rows, spec, request.sampling_params,
+                                                   self.generator_for(request), probs)
+            sampled[request.request_id] = result.token_ids
+            self.num_emitted_tokens += len(result.token_ids)
+            if spec:
+                self._count(len(spec), result.num_accepted)
+        return sampled
+
+    def _count(self, num_spec: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_spec
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        self.acceptance_histogram[num_accepted] += 1
+
+    # -- draft -----------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        finished = super().step()
+        for request in finished:
+            self.proposer.free(request.request_id)
+            self._drafts.pop(request.request_id, None)
+        if self.num_spec_tokens:
+            self._propose()
+        return finished
+
+    def _propose(self) -> None:
+        ready, budgets = [], []
+        for request in self.scheduler.running:
+            # NOTE: only requests past prefill draft; never past max_tokens (those drafts could not be kept).
+            room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+            if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
+                ready.append(request)
+                budgets.append(min(self.num_spec_tokens, room))
+        if not ready:
+            return
+        with self.phases.phase("draft", num_tokens=len(ready) * self.num_spec_tokens):
+            drafts = self.proposer.propose(ready, self.num_spec_tokens, [self.generator_for(r) for r in ready])
+        for request, budget in zip(ready, budgets):
+            draft = drafts.get(request.request_id)
+            if draft is not None and draft.token_ids:
+                draft.token_ids = draft.token_ids[:budget]
+                request.spec_token_ids = list(draft.token_ids)
+                self._drafts[request.request_id] = draft
+
+    def abort_running(self, error: str) -> list[Request]:
+        aborted = super().abort_running(error)
+        for request in aborted:
+            self.proposer.free(request.request_id)
+            self._drafts.pop(request.request_id, None)
+        return aborted
+
+    def stats(self) -> dict[str, float]:
+        drafts = max(1, self.num_drafts)
+        verify_s = sum(self.phases.seconds.get(p, 0.0) for p in ("prefill", "decode", "mixed"))
+        stats = {**super().stats(), **self.proposer.stats(),
+                 "spec_decode_num_drafts": self.num_drafts,
+                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                 "spec_decode_acceptance_rate": 100.0 * self.num_accepted_tokens / max(1, self.num_draft_tokens),
+                 "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts,
+                 "spec/num_spec_tokens": self.num_spec_tokens,
+                 "spec/draft_s": self.phases.seconds.get("draft", 0.0), "spec/verify_s": verify_s,
+                 "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
+        for position, accepted in enumerate(self.accepted_per_position):
+            stats[f"spec_decode_per_position_acceptance_rate/{position}"] = accepted / drafts
+        for num_accepted, count in enumerate(self.acceptance_histogram):
+            stats[f"spec/acceptance_histogram/{num_accepted}"] = count
+        return stats

@@ -1,0 +1,42 @@
+"""The Proposer interface: draft `num_spec_tokens` tokens for each running request, cheaply.
+
+Owns: the contract between the speculative engine and its drafters. A proposer returns, per request,
+up to k draft tokens and (for a sampling proposer) the distributions it drew them from, so the
+RejectionSampler can stay lossless; a deterministic proposer (n-gram) returns no distributions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from lab.request import Request
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None   # (len(token_ids), V) q distributions; None = deterministic (one-hot)
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], num_spec_tokens: int,
+                generators: list[torch.Generator | None]) -> dict[str, Draft]:
+        """Drafts continuing each request's `all_token_ids` (requests may get fewer or no tokens)."""
+        ...
+
+    def free(self, request_id: str) -> None:
+        """The request finished or was aborted: release whatever the proposer holds for it."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        ...
+
+
+class ProposerConfig(Protocol):
+    """A conf/engine/proposer/*.yaml target: plain settings in, a Proposer out once the target is known."""
+
+    def build(self, target: "ModelRunner", num_blocks: int, block_size: int) -> Proposer:  # noqa: F821
+        ...

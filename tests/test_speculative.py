@@ -1,0 +1,134 @@
+"""Speculative decoding is lossless: greedy output equals `ar`'s with draft = target (all accepted), an
+unrelated random draft (mostly rejected), layerskip and n-gram, at batch 1 and batch > 1 with mixed
+lengths; rolled-back KV equals a run that never drafted; num_spec_tokens=0 is the plain engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.engines.ar import AREngine
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.engines.speculative import SpeculativeEngine
+from lab.kv_cache import PagedKVCacheConfig
+from lab.models.sources import tiny
+from lab.runner import ModelRunner
+from lab.sched import SchedulerConfig
+from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
+from lab.spec.ngram_config import NgramProposerConfig
+from tests.helpers import chat_prompt, make_requests
+
+KV = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None)
+
+
+def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeats, so n-gram lookup finds matches; mixed lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        motif = torch.randint(3, 128, (int(torch.randint(2, 6, (1,), generator=generator)),), generator=generator)
+        prompts.append(motif.repeat(2 + i % 4).tolist() + torch.randint(3, 128, (i + 1,), generator=generator).tolist())
+    return prompts
+
+
+def _proposers(tiny_source) -> dict:
+    return {
+        "draft_equals_target": DraftModelProposerConfig(source=tiny_source),
+        "random_draft": DraftModelProposerConfig(source=tiny(seed=7, vocab_size=128, with_tokenizer=False)),
+        "layerskip": LayerSkipProposerConfig(num_layers=1),
+        "ngram": NgramProposerConfig(min_n=1, max_n=3),
+    }
+
+
+def _ar_outputs(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [r.output_token_ids for r in AREngine(runner).run(make_requests(prompts, max_tokens, ignore_eos=True)).requests]
+
+
+@pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
+                                                   ("random_draft", 4), ("layerskip", 1), ("ngram", 4)])
+def test_greedy_speculation_is_lossless_on_tiny(proposer: str, max_num_seqs: int, tiny_source,
+                                                tiny_runner: ModelRunner) -> None:
+    prompts = _repetitive_prompts(5, seed=1)
+    expected = _ar_outputs(tiny_runner, prompts, 20)
+    engine = SpeculativeEngine(tiny_runner, _proposers(tiny_source)[proposer], num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+                               kv_cache=KV)
+    requests = make_requests(prompts, 20, ignore_eos=True)
+    for i, request in enumerate(requests):
+        request.arrival_time = 0.002 * i
+    result = engine.run(requests)
+    assert [r.output_token_ids for r in result.requests] == expected, f"{proposer} changed the output"
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0
+    assert engine.kv_manager.num_held_blocks == 0 and engine.proposer.stats().get("spec/draft_skipped_requests", 0) == 0
+    if proposer == "draft_equals_target":
+        assert stats["spec_decode_acceptance_rate"] == pytest.approx(100.0), stats["spec_decode_acceptance_rate"]
+        assert stats["spec/tokens_per_target_forward"] > 2.5
+    if proposer == "random_draft":
+        assert stats["spec_decode_acceptance_rate"] < 50.0
+
+
+def test_zero_spec_tokens_reproduces_the_plain_engine(tiny_source, tiny_runner: ModelRunner) -> None:
+    prompts = _repetitive_prompts(4, seed=2)
+    scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)
+    plain = ContinuousBatchingEngine(tiny_runner, scheduler, KV)
+    spec = SpeculativeEngine(tiny_runner, NgramProposerConfig(), num_spec_tokens=0, scheduler=scheduler, kv_cache=KV)
+    a = plain.run(make_requests(prompts, 12, ignore_eos=True))
+    b = spec.run(make_requests(prompts, 12, ignore_eos=True))
+    assert [r.output_token_ids for r in a.requests] == [r.output_token_ids for r in b.requests]
+    assert plain.num_steps == spec.num_steps, f"{plain.num_steps} != {spec.num_steps} steps"
+    assert spec.stats()["spec_decode_num_drafts"] == 0
+
+
+def _kv_prefix(engine: ContinuousBatchingEngine, request_id: str, num_tokens: int) -> torch.Tensor:
+    table = engine.kv_manager.block_table(request_id)
+    bs = engine.kv_manager.block_size
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(num_tokens)])
+    keys = [k.flatten(1, 2)[:, slots] for k in engine.kv_cache.k]                  # L x (Hkv, T, D)
+    return torch.stack(keys)
+
+
+def test_rolled_back_kv_equals_a_run_that_never_drafted(tiny_source, tiny_runner: ModelRunner) -> None:
+    prompt = _repetitive_prompts(1, seed=3)[0]
+    plain = ContinuousBatchingEngine(tiny_runner, SchedulerConfig(max_num_seqs=1), KV)
+    spec = SpeculativeEngine(tiny_runner, DraftModelProposerConfig(source=tiny(seed=7, vocab_size=128,
+                                                                                with_tokenizer=False)),
+                             num_spec_tokens=4, scheduler=SchedulerConfig(max_num_seqs=1), kv_cache=KV)
+    (a,), (b,) = make_requests([prompt], 200, ignore_eos=True), make_requests([prompt], 200, ignore_eos=True)
+    plain.add_request(a)
+    spec.add_request(b)
+    while b.num_output_tokens < 15:
+        spec.step()
+    while a.num_output_tokens < b.num_output_tokens:
+        plain.step()
+    assert a.output_token_ids == b.output_token_ids
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens < spec.num_draft_tokens  # some rollbacks happened
+    n = min(a.num_computed_tokens, b.num_computed_tokens)
+    diff = (_kv_prefix(plain, a.request_id, n) - _kv_prefix(spec, b.request_id, n)).abs().max()
+    assert diff <= 1e-5, f"KV of the first {n} tokens differs by {diff:.2e} after rollbacks"
+
+
+def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunner) -> None:
+    prompts = _repetitive_prompts(3, seed=4)
+
+    def sample() -> list[list[int]]:
+        engine = SpeculativeEngine(tiny_runner, LayerSkipProposerConfig(num_layers=1), num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=3), kv_cache=KV)
+        requests = make_requests(prompts, 16, temperature=0.8, seed=11, ignore_eos=True)
+        return [r.output_token_ids for r in engine.run(requests).requests]
+
+    first = sample()
+    assert first == sample() and all(len(o) == 16 for o in first)
+
+
+@pytest.mark.parametrize("proposer", ["layerskip", "ngram"])
+def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
+    tokenizer = smollm2_runner.tokenizer
+    prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
+                                                    "What is 2+2?", "Name a colour.")]
+    expected = [r.output_token_ids for r in AREngine(smollm2_runner).run(make_requests(prompts, 24)).requests]
+    config = LayerSkipProposerConfig(num_layers=10) if proposer == "layerskip" else NgramProposerConfig()
+    engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),
+                               kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=64, kv_cache_memory_mb=None))
+    outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]
+    assert outputs == expected
