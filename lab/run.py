@@ -24,7 +24,8 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lab.engines.base import Engine
+from lab.engines.base import Engine, RunResult
+from lab.metrics.summary import summarize
 from lab.errors import LabError
 from lab.metrics.report import format_table, request_record, write_results
 from lab.request import Request
@@ -65,6 +66,27 @@ def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request],
         warmup.request_id, warmup.arrival_time = f"warmup-{i}", 0.0
         warmups.append(warmup)
     return requests, warmups, arrival, workload.name
+
+
+def run_baseline(engine: Engine, requests: list[Request], max_concurrency: int | None) -> RunResult | None:
+    """For engines asked to `measure_speedup`: the same requests through the engine's own baseline
+    (speculation off), first, in the same process and run, so ratios are not across noisy runs."""
+    if not getattr(engine, "measure_speedup", False):
+        return None
+    copies = copy.deepcopy(requests)
+    return engine.without_speculation().run(copies, max_concurrency=max_concurrency)
+
+
+def speedup_fields(baseline: RunResult | None, outcome: RunResult) -> dict[str, Any]:
+    if baseline is None:
+        return {}
+    base, ours = summarize(baseline.requests, baseline.duration), summarize(outcome.requests, outcome.duration)
+    same = [a.output_token_ids for a in baseline.requests] == [b.output_token_ids for b in outcome.requests]
+    return {"baseline/mean_tpot_ms": base["mean_tpot_ms"], "baseline/duration": base["duration"],
+            "baseline/output_throughput": base["output_throughput"],
+            "spec/speedup_tpot": base["mean_tpot_ms"] / max(ours["mean_tpot_ms"], 1e-9),
+            "spec/speedup_e2e": base["duration"] / max(ours["duration"], 1e-9),
+            "spec/same_output_as_baseline": same}
 
 
 def profile_fields(profile: dict[str, Any] | None) -> dict[str, Any]:
@@ -115,6 +137,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         engine.step_hook = profiler.step
         try:
             with metrics.sample_utilization(runner.device):
+                baseline = run_baseline(engine, requests, arrival.max_concurrency)
                 outcome = engine.run(requests, max_concurrency=arrival.max_concurrency)
         finally:
             profile = profiler.stop()
@@ -124,7 +147,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
             "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
             "engine_supports_arrivals": engine.supports_arrivals,
-            **metrics.summarize(outcome, engine, runner.tokenizer), **load,
+            **metrics.summarize(outcome, engine, runner.tokenizer), **speedup_fields(baseline, outcome), **load,
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),

@@ -24,8 +24,10 @@ from lab.spec.proposer import Draft, ProposerConfig
 class SpeculativeEngine(ContinuousBatchingEngine):
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
-                 name: str | None = None, seed: int = 0) -> None:
+                 name: str | None = None, seed: int = 0, measure_speedup: bool = False) -> None:
         super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
+        self._configs = (proposer, scheduler, kv_cache)
+        self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens
@@ -33,6 +35,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
         self._reset_spec_counters()
+
+    def without_speculation(self) -> "SpeculativeEngine":
+        """The same engine with speculation off (num_spec_tokens=0): the baseline for speedups."""
+        proposer, scheduler, kv_cache = self._configs
+        return SpeculativeEngine(self.runner, proposer, 0, scheduler, kv_cache, f"{self.name}_k0", self.seed)
 
     def _reset_spec_counters(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
