@@ -187,3 +187,24 @@ def test_greedy_tokens_equal_ar_on_smollm2(engine_name: str, smollm2_runner: Mod
     for request, reference in zip(engine.run(requests).requests, references):
         assert_matches_ar(smollm2_runner, request, reference, engine_name)
     assert_nothing_held(engine)
+
+
+def test_abort_frees_a_running_and_a_waiting_request(tiny_runner) -> None:
+    from lab.engines.continuous import ContinuousBatchingEngine
+    from lab.kv_cache import PagedKVCacheConfig
+    from lab.request import RequestStatus
+    from lab.sched import SchedulerConfig
+    from tests.helpers import make_requests
+
+    engine = ContinuousBatchingEngine(tiny_runner, SchedulerConfig(max_num_seqs=1),
+                                      PagedKVCacheConfig(block_size=4, num_blocks=64, kv_cache_memory_mb=None))
+    running, waiting = make_requests([[5, 6, 7, 8, 9], [3, 4, 5]], 50, ignore_eos=True)
+    engine.add_request(running)
+    engine.add_request(waiting)
+    engine.step()
+    engine.step()
+    assert engine.kv_manager.num_held_blocks > 0
+    assert engine.abort_request(waiting.request_id, "client left") is waiting
+    assert engine.abort_request(running.request_id, "client left") is running
+    assert running.status is waiting.status is RequestStatus.FINISHED_ABORTED
+    assert engine.kv_manager.num_held_blocks == 0 and not engine.has_unfinished_requests()

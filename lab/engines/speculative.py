@@ -108,6 +108,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 request.spec_token_ids = list(draft.token_ids)
                 self._drafts[request.request_id] = draft
 
+    def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
+        self.proposer.free(request_id)
+        self._drafts.pop(request_id, None)
+        return super().abort_request(request_id, error)
+
     def abort_running(self, error: str) -> list[Request]:
         aborted = super().abort_running(error)
         for request in aborted:
