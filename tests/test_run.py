@@ -43,7 +43,7 @@ def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> Non
         assert record["ttft_ms"] <= record["e2el_ms"]
 
 
-@pytest.mark.parametrize("group", ["model", "engine", "workload", "logger"])
+@pytest.mark.parametrize("group", ["model", "engine", "workload", "metrics", "profiler", "logger"])
 def test_every_config_file_composes(group: str, tmp_path: Path) -> None:
     names = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
     assert names, f"no configs in conf/{group}"
@@ -53,9 +53,17 @@ def test_every_config_file_composes(group: str, tmp_path: Path) -> None:
             overrides.append("workload.path=prompts.jsonl")
         cfg = compose_cfg(overrides)
         assert cfg[group] is not None
-        if group in ("workload", "logger"):
+        if group in ("workload", "metrics", "profiler", "logger"):
             spec = {k: v for k, v in cfg[group].items() if k not in ARRIVAL_KEYS}
             instantiate(spec)  # constructors validate; nothing heavy happens here
+
+
+def test_every_experiment_composes(tmp_path: Path) -> None:
+    names = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+    for name in names:
+        cfg = compose_cfg([f"+experiment={name}", f"hydra.run.dir={tmp_path}"], run_dir=tmp_path)
+        assert cfg.engine is not None and cfg.workload is not None, name
+        assert cfg.hydra.sweeper.params, f"experiment {name} sweeps nothing"
 
 
 def test_file_workload_matches_hf_greedy_through_the_cli(tmp_path: Path, tiny_text_runner) -> None:
