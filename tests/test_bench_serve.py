@@ -114,3 +114,11 @@ def test_hydra_entry_writes_vllm_result_fields(server_url: str, tmp_path: Path) 
     assert not missing, f"results.json lacks vLLM fields {missing}"
     assert (saved["completed"], saved["total_input_tokens"], saved["total_output_tokens"]) == (6, 96, 24)
     assert saved["request_rate"] == 50 and len(saved["ttfts"]) == 6 and result["num_warmups"] == 1
+
+
+def test_serving_experiment_and_serve_configs_compose() -> None:
+    cfg = compose_cfg_bench(["+experiment=serving"])
+    assert set(cfg.serving.servers) == {"replicas1", "replicas2", "tp2"} and cfg.workload.num_warmups == 2
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        serve = compose(config_name="serve", overrides=["model=tiny", "serve.replicas=2"])
+    assert serve.engine.name == "cb_paged" and serve.serve.host == "127.0.0.1" and serve.serve.replicas == 2

@@ -144,6 +144,7 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0.0}, 400, "top_p"),
     ("n 2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("token id out of range", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
     ("prompt over the context", {"model": MODEL, "prompt": [5] * 2048, "max_tokens": 1}, 400, "prompt"),
     ("generation over the context", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 2040}, 400, "max_tokens"),
@@ -183,3 +184,4 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(served: Served) -> Non
     served.wait_idle()
     assert not served.engine.has_unfinished_requests()
     assert served.engine.kv_usage()[1] == 0, f"KV still in use: {served.engine.kv_usage()}"
+    assert 'finished_reason="abort"' in httpx.get(served.url + "/metrics").text

@@ -169,12 +169,17 @@ class EngineLoop:
             error = request.error
             outputs.append(RequestOutput(request_id, new_token_ids, "error" if error else reason, error))
 
+    def _num_engine_waiting(self) -> int:
+        # NOTE: continuous-batching engines queue in their scheduler, the others in Engine.waiting.
+        scheduler = getattr(self.engine, "scheduler", None)
+        return len(getattr(scheduler, "waiting", self.engine.waiting))
+
     def _update_stats(self) -> None:
-        num_waiting = len(self.engine.waiting) + self.inbox.qsize()
+        num_engine_waiting = self._num_engine_waiting()
         reserved, used = self.engine.kv_usage()
-        self.stats = EngineStats(num_running=max(0, len(self.tracked) - len(self.engine.waiting)),
-                                 num_waiting=num_waiting, kv_reserved_bytes=reserved, kv_used_bytes=used,
-                                 num_steps=self.stats.num_steps + 1)
+        self.stats = EngineStats(num_running=max(0, len(self.tracked) - num_engine_waiting),
+                                 num_waiting=num_engine_waiting + self.inbox.qsize(), kv_reserved_bytes=reserved,
+                                 kv_used_bytes=used, num_steps=self.stats.num_steps + 1)
 
     def run(self) -> None:
         """Serve commands until a Shutdown: drain what is in flight first, or abort it and stop at once."""

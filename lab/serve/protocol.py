@@ -83,6 +83,8 @@ class CompletionRequest(SamplingFields):
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt this server accepts per request (a batch of prompts is refused, not truncated)."""
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
