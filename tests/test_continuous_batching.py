@@ -121,6 +121,37 @@ def test_greedy_tokens_equal_ar_on_tiny(engine_name: str, arrival: str, tiny_run
         assert engine.stats()["sched/num_preemptions"] > 0, "30 blocks of 4 tokens must force preemptions"
 
 
+def test_decodes_split_into_length_groups_still_equal_ar(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+                                                         tiny_case: tuple[list[list[int]], list[list[int]]]) -> None:
+    import lab.kv_cache.split_attention as split_attention
+
+    group_counts: list[int] = []
+    original = split_attention.split_decode_groups
+
+    def recording(num_keys: list[int], overhead_keys: int) -> list[tuple[int, int]]:
+        groups = original(num_keys, overhead_keys)
+        group_counts.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(split_attention, "GROUP_OVERHEAD_BYTES", 4096)
+    monkeypatch.setattr(split_attention, "split_decode_groups", recording)
+    prompts, references = tiny_case
+    engine = ENGINES["cb_paged"](tiny_runner)
+    result = engine.run(make_requests(prompts, MAX_TOKENS, ignore_eos=True))
+    assert max(group_counts) > 2, f"decode group counts {sorted(set(group_counts))}"
+    for request, reference in zip(result.requests, references):
+        assert_matches_ar(tiny_runner, request, reference, "cb_paged/grouped")
+    assert_nothing_held(engine)
+
+
+def test_decode_groups_cut_where_lengths_drop() -> None:
+    from lab.kv_cache.split_attention import split_decode_groups
+
+    assert split_decode_groups([512] * 8, overhead_keys=100) == [(0, 8)]
+    assert split_decode_groups([1024, 1024, 64, 64, 64], overhead_keys=100) == [(0, 2), (2, 5)]
+    assert split_decode_groups([1024, 64], overhead_keys=10_000) == [(0, 2)], "a split must pay for itself"
+
+
 def test_identical_long_prompts_share_blocks_and_match_unshared_outputs(tiny_runner: ModelRunner) -> None:
     prompt = random_prompts(1, tiny_runner.vocab_size, seed=3, min_len=45, max_len=45)[0]
     outputs, max_ref_cnt = {}, {}

@@ -77,8 +77,10 @@ class ContinuousBatchingEngine(Engine):
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
         counts = out.num_scheduled_tokens
-        # NOTE: single-token queries first: the attention backend batches them into one SDPA call.
-        order = sorted(out.scheduled, key=lambda r: counts[r.request_id] != 1)
+        # NOTE: single-token queries first, longest context first: the attention backend batches them
+        # and cuts them into groups of similar length.
+        order = sorted(out.scheduled, key=lambda r: (counts[r.request_id] != 1,
+                                                     -r.num_computed_tokens if counts[r.request_id] == 1 else 0))
         seqs, token_ids, sample_rows, samplers = [], [], [], []
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]

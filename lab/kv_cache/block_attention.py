@@ -1,14 +1,9 @@
-"""Attention over BlockKVCache storage for a flat batch of requests: two interchangeable backends.
+"""Attention over BlockKVCache storage for a flat batch of requests: the backend interface and the
+`gather` backend, the clear reference (`fast`, the default, is in split_attention.py).
 
-`gather` (the clear reference): every request's keys are gathered token by token into a padded
-(R, Hkv, S, D), queries into a padded (R, Hq, T, D), and one SDPA call with a causal + padding mask
-serves decodes and prefill chunks alike.
-
-`fast` (the default): single-token queries (decodes) are batched into one SDPA call with the query
-heads of a KV group folded into the query axis; a request whose keys sit in one block (every slot) is
-read through a strided view with no copy, otherwise whole blocks are gathered into a workspace reused
-by every layer. Prefill chunks run separately: a fresh prompt attends causally to its own new keys
-(exactly `ar`'s call); a continued chunk reads its context from its blocks.
+`gather`: every request's keys are gathered token by token into a padded (R, Hkv, S, D), queries into
+a padded (R, Hq, T, D), and one SDPA call with a causal + padding mask serves decodes and prefill
+chunks alike.
 
 Owns: attention math over blocks. Ignores: which request a block belongs to.
 """
@@ -37,6 +32,8 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(name: str) -> AttentionBackend:
+    from lab.kv_cache.split_attention import SplitAttention
+
     backends = {"fast": SplitAttention, "gather": GatherAttention}
     if name not in backends:
         raise LabError(f"unknown attention backend {name!r}", f"use one of {sorted(backends)}")
@@ -95,146 +92,3 @@ class GatherAttention:
                                              enable_gqa=num_heads != keys.shape[1])          # (R, Hq, T, D)
         out = out.transpose(1, 2).reshape(num_seqs * max_query, num_heads, head_dim)
         return out.index_select(0, meta.out_index)                                           # (N, Hq, D)
-
-
-# -- fast: batched decodes + separate chunks -------------------------------------------------------
-@dataclass(slots=True)
-class DecodeMeta:
-    num_seqs: int               # B decodes, the first B tokens of the batch
-    num_keys: int               # S, padded key length
-    mask: torch.Tensor          # (rows, 1, 1, S)
-    mode: str                   # "view": slice of consecutive blocks; "select": one block each; "gather"
-    block_ids: torch.Tensor     # view: (B,) row of each decode in the slice; select: (B,); gather: (B*nb,)
-    first_block: int = 0
-    num_rows: int = 0           # view: blocks in the slice
-
-
-@dataclass(slots=True)
-class ChunkMeta:
-    q_start: int
-    q_end: int
-    num_context: int
-    block_ids: torch.Tensor | None   # None: a fresh prompt, attends to its own new keys
-    mask: torch.Tensor | None        # (1, 1, T, context + T)
-    single_block: int = -1           # the block holding all its keys, when there is one (no copy)
-
-
-@dataclass(slots=True)
-class SplitMeta:
-    decode: DecodeMeta | None
-    chunks: list[ChunkMeta]
-
-
-class SplitAttention:
-    def __init__(self) -> None:
-        self._workspace: torch.Tensor | None = None   # flat buffer for gathered decode keys and values
-
-    def prepare(self, cache: BlockKVCache, index: StepIndex) -> SplitMeta:
-        num_decodes = 0
-        for seq in index.seqs:
-            if seq.num_query_tokens != 1:
-                break
-            num_decodes += 1
-        decode = self._prepare_decode(cache, index, num_decodes) if num_decodes else None
-        chunks = [self._prepare_chunk(cache, index, i) for i in range(num_decodes, len(index.seqs))]
-        return SplitMeta(decode, chunks)
-
-    def _prepare_decode(self, cache: BlockKVCache, index: StepIndex, num_seqs: int) -> DecodeMeta:
-        bs, device = cache.block_size, cache.device
-        lens = index.context_lens[:num_seqs] + 1                                              # (B,)
-        num_keys = int(lens.max())
-        num_blocks = -(-num_keys // bs)
-        key_pos = torch.arange(num_keys if num_blocks == 1 else num_blocks * bs)
-        valid = key_pos[None] < lens[:, None]                                                 # (B, S)
-        if num_blocks == 1:
-            block_ids = [seq.block_table[0] for seq in index.seqs[:num_seqs]]
-            first, last = min(block_ids), max(block_ids)
-            # NOTE: a slice over consecutive slots costs no copy; idle slots in it compute a wasted row
-            # each, so a sparse set of slots is selected (copied) instead.
-            if last - first + 1 <= 2 * num_seqs + 8:
-                rows = torch.tensor(block_ids) - first
-                mask = (key_pos == 0).expand(last - first + 1, -1).clone()
-                mask[rows] = valid
-                return DecodeMeta(num_seqs, len(key_pos), mask[:, None, None].to(device), "view",
-                                  rows.to(device), first, last - first + 1)
-            return DecodeMeta(num_seqs, len(key_pos), valid[:, None, None].to(device), "select",
-                              torch.tensor(block_ids, device=device))
-        block_ids = index.block_tables[:num_seqs, :num_blocks].reshape(-1)                    # (B*nb,)
-        return DecodeMeta(num_seqs, len(key_pos), valid[:, None, None].to(device), "gather", block_ids)
-
-    @staticmethod
-    def _prepare_chunk(cache: BlockKVCache, index: StepIndex, i: int) -> ChunkMeta:
-        seq, start = index.seqs[i], index.q_start[i]
-        num_context, num_query = seq.num_context_tokens, seq.num_query_tokens
-        if num_context == 0:
-            return ChunkMeta(start, start + num_query, 0, None, None)
-        num_keys = num_context + num_query
-        num_blocks = -(-num_keys // cache.block_size)
-        block_ids = index.block_tables[i, :num_blocks]
-        query_pos = torch.arange(num_context, num_keys)[:, None]
-        mask = (torch.arange(num_keys)[None] <= query_pos)[None, None]                      # (1, 1, T, S)
-        single = seq.block_table[0] if num_blocks == 1 else -1
-        return ChunkMeta(start, start + num_query, num_context, block_ids, mask.to(cache.device), single)
-
-    def attend(self, cache: BlockKVCache, meta: SplitMeta, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)                                                             # (N, Hq, D)
-        if meta.decode is not None:
-            out[:meta.decode.num_seqs] = self._decode(cache, meta.decode, layer_idx, q)
-        for chunk in meta.chunks:
-            out[chunk.q_start:chunk.q_end] = self._chunk(cache, chunk, layer_idx, q, k, v)
-        return out
-
-    def _decode_kv(self, store: torch.Tensor, meta: DecodeMeta, slot: int) -> torch.Tensor:
-        """Keys or values of the decodes as (rows, Hkv, S, D), a strided view where possible."""
-        heads, _, bs, head_dim = store.shape
-        if meta.mode == "view":
-            return store[:, meta.first_block:meta.first_block + meta.num_rows, :meta.num_keys].transpose(0, 1)
-        if meta.mode == "select":
-            return store[:, :, :meta.num_keys].index_select(1, meta.block_ids).transpose(0, 1)
-        num_blocks = meta.block_ids.numel()
-        size = heads * num_blocks * bs * head_dim
-        if self._workspace is None or self._workspace.numel() < 2 * size or self._workspace.dtype != store.dtype:
-            self._workspace = torch.empty(2 * size, dtype=store.dtype, device=store.device)
-        out = self._workspace[slot * size:(slot + 1) * size].view(heads, num_blocks, bs, head_dim)
-        torch.index_select(store, 1, meta.block_ids, out=out)
-        return out.view(heads, meta.num_seqs, meta.num_keys, head_dim).transpose(0, 1)      # (B, Hkv, S, D)
-
-    def _decode(self, cache: BlockKVCache, meta: DecodeMeta, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        keys = self._decode_kv(cache.k[layer_idx], meta, 0)
-        values = self._decode_kv(cache.v[layer_idx], meta, 1)
-        num_kv_heads, num_heads, head_dim = keys.shape[1], q.shape[1], q.shape[2]
-        # NOTE: fold the G query heads of a KV group into the query axis: each KV head is read once.
-        queries = q[:meta.num_seqs].reshape(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        if meta.mode == "view":
-            padded = queries.new_zeros((meta.num_rows, *queries.shape[1:]))
-            padded[meta.block_ids] = queries
-            out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=meta.mask)[meta.block_ids]
-        else:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)  # (B, Hkv, G, D)
-        return out.reshape(meta.num_seqs, num_heads, head_dim)
-
-    @staticmethod
-    def _chunk(cache: BlockKVCache, chunk: ChunkMeta, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        queries = q[chunk.q_start:chunk.q_end].transpose(0, 1)[None]                        # (1, Hq, T, D)
-        if chunk.block_ids is None:
-            keys = k[chunk.q_start:chunk.q_end].transpose(0, 1)[None]                        # (1, Hkv, T, D)
-            values = v[chunk.q_start:chunk.q_end].transpose(0, 1)[None]
-        else:
-            num_keys = chunk.mask.shape[-1]
-            keys = _chunk_kv(cache.k[layer_idx], chunk, num_keys)
-            values = _chunk_kv(cache.v[layer_idx], chunk, num_keys)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask,
-                                             is_causal=chunk.mask is None,
-                                             enable_gqa=queries.shape[1] != keys.shape[1])  # (1, Hq, T, D)
-        return out[0].transpose(0, 1)                                                        # (T, Hq, D)
-
-
-def _chunk_kv(store: torch.Tensor, chunk: ChunkMeta, num_keys: int) -> torch.Tensor:
-    """One request's first `num_keys` keys or values as (1, Hkv, S, D); no copy for a single block."""
-    if chunk.single_block >= 0:
-        return store[:, chunk.single_block, :num_keys][None]
-    heads, _, bs, head_dim = store.shape
-    blocks = store.index_select(1, chunk.block_ids)                                          # (Hkv, nb, bs, D)
-    return blocks.view(heads, -1, head_dim)[:, :num_keys][None]
