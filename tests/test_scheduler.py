@@ -188,3 +188,17 @@ def test_slot_engine_admits_only_while_slots_are_free() -> None:
     assert len(finished) == 4 and max(engine.running_sizes) == 2
     assert engine.stats()["sched/num_preemptions"] == 0
     assert engine.kv_manager.num_held_blocks == 0
+
+
+def test_abort_request_frees_a_running_or_waiting_request() -> None:
+    engine = _engine(max_num_seqs=1)
+    for request in _requests([6, 6], 5):
+        engine.add_request(request)
+    engine.step()
+    held = engine.kv_manager.num_held_blocks
+    assert held == 2, f"a 6-token prompt in blocks of 4 holds 2 blocks, got {held}"
+    running = engine.abort_request("r0", "client left")
+    waiting = engine.abort_request("r1")
+    assert running.status is waiting.status is RequestStatus.FINISHED_ABORTED and running.error == "client left"
+    assert engine.abort_request("r0") is None
+    assert engine.kv_manager.num_held_blocks == 0 and not engine.has_unfinished_requests()

@@ -59,6 +59,9 @@ class ContinuousBatchingEngine(Engine):
     def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
         return self.scheduler.abort_request(request_id, error)
 
+    def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
+        return self.scheduler.abort_request(request_id, error)
+
     def step(self) -> list[Request]:
         out = self.scheduler.schedule()
         sampled = self._execute(out) if not out.is_empty else {}

@@ -174,6 +174,17 @@ class Scheduler:
             request.finish(RequestStatus.FINISHED_ABORTED, error)
         return aborted
 
+    def abort_request(self, request_id: str, error: str) -> Request | None:
+        """Abort one waiting or running request (e.g. its client left), releasing its KV."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.kv_manager.free(request)
+                    request.finish(RequestStatus.FINISHED_ABORTED, error)
+                    return request
+        return None
+
     def _fail(self, request: Request, error: str) -> None:
         request.finish(RequestStatus.FINISHED_ABORTED, error)
         self._failed.append(request)
