@@ -43,7 +43,7 @@ class ContinuousBatchingEngine(Engine):
         self.num_scheduled_tokens = 0
         self.reserved_token_steps = 0   # sum over steps of tokens reserved, for reserved/used per token
         self.used_token_steps = 0
-        self.scheduler.num_preemptions = self.scheduler.max_running = 0
+        self.scheduler.reset_stats()
 
     # -- Engine interface --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -55,9 +55,6 @@ class ContinuousBatchingEngine(Engine):
 
     def abort_running(self, error: str) -> list[Request]:
         return self.scheduler.abort_running(error)
-
-    def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
-        return self.scheduler.abort_request(request_id, error)
 
     def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
         return self.scheduler.abort_request(request_id, error)

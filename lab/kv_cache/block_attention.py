@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import LabError
+from lab.kv_cache.split_attention import SplitAttention
 
 if TYPE_CHECKING:
     from lab.kv_cache.block_kv import BlockKVCache, StepIndex
@@ -32,8 +33,6 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(name: str) -> AttentionBackend:
-    from lab.kv_cache.split_attention import SplitAttention
-
     backends = {"fast": SplitAttention, "gather": GatherAttention}
     if name not in backends:
         raise LabError(f"unknown attention backend {name!r}", f"use one of {sorted(backends)}")

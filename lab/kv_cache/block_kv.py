@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
 import torch
 
-from lab.errors import LabError
+from lab.kv_cache.block_attention import make_backend
 
 
 @dataclass(slots=True)
@@ -45,8 +44,6 @@ class StepIndex:
 class BlockKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, backend: str = "fast") -> None:
-        from lab.kv_cache.block_attention import make_backend
-
         shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # NOTE: zeros, not empty: padded keys are masked, but a NaN bit pattern in them would still
         # poison SDPA's sums.
@@ -96,23 +93,3 @@ def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device
     slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
     return StepIndex(seqs, q_start, tables.to(device), context_lens, query_lens, positions,
                      slot_mapping.to(device))
-
-
-def resolve_num_blocks(bytes_per_block: int, device: torch.device, num_blocks: int | None = None,
-                       memory_mb: float | None = None, memory_fraction: float | None = None,
-                       max_useful_blocks: int | None = None) -> int:
-    """Block count: explicit `num_blocks`, else a budget in MB, else a fraction of the device's free
-    memory (CUDA: free device memory; CPU: available RAM), capped at what `max_num_seqs` full-length
-    requests could ever hold."""
-    if num_blocks is not None:
-        return int(num_blocks)
-    if memory_mb is not None:
-        budget = memory_mb * 2**20
-    elif memory_fraction is not None:
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-        budget = memory_fraction * free
-    else:
-        raise LabError("the paged KV cache needs num_blocks, kv_cache_memory_mb or memory_fraction",
-                       "set engine.kv_cache.num_blocks=N (or kv_cache_memory_mb)")
-    count = int(budget // bytes_per_block)
-    return max(1, min(count, max_useful_blocks) if max_useful_blocks else count)

@@ -15,10 +15,10 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from lab.errors import LabError
-from lab.kv_cache.block_kv import resolve_num_blocks
 from lab.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock
 from lab.kv_cache.manager import NO_PREFIX, CachedPrefix
 from lab.request import Request
@@ -150,3 +150,23 @@ class PagedKVCacheConfig:
                                         self.kv_cache_memory_mb, self.memory_fraction,
                                         max_num_seqs * cdiv(max_model_len, self.block_size))
         return PagedKVCacheManager(num_blocks, self.block_size, self.enable_prefix_caching)
+
+
+def resolve_num_blocks(bytes_per_block: int, device: torch.device, num_blocks: int | None = None,
+                       memory_mb: float | None = None, memory_fraction: float | None = None,
+                       max_useful_blocks: int | None = None) -> int:
+    """Block count: explicit `num_blocks`, else a budget in MB, else a fraction of the device's free
+    memory (CUDA: free device memory; CPU: available RAM), capped at what `max_num_seqs` full-length
+    requests could ever hold."""
+    if num_blocks is not None:
+        return int(num_blocks)
+    if memory_mb is not None:
+        budget = memory_mb * 2**20
+    elif memory_fraction is not None:
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        budget = memory_fraction * free
+    else:
+        raise LabError("the paged KV cache needs num_blocks, kv_cache_memory_mb or memory_fraction",
+                       "set engine.kv_cache.num_blocks=N (or kv_cache_memory_mb)")
+    count = int(budget // bytes_per_block)
+    return max(1, min(count, max_useful_blocks) if max_useful_blocks else count)

@@ -155,17 +155,6 @@ class Scheduler:
                     break
         return finished
 
-    def abort_request(self, request_id: str, error: str) -> Request | None:
-        """Abort one waiting or running request at once and release its KV (a client went away)."""
-        for queue in (self.waiting, self.running):
-            for request in queue:
-                if request.request_id == request_id:
-                    queue.remove(request)
-                    self.kv_manager.free(request)
-                    request.finish(RequestStatus.FINISHED_ABORTED, error)
-                    return request
-        return None
-
     def abort_running(self, error: str) -> list[Request]:
         """Fail every running request (after a failed step) and release its KV."""
         aborted, self.running = self.running, []
@@ -188,6 +177,9 @@ class Scheduler:
     def _fail(self, request: Request, error: str) -> None:
         request.finish(RequestStatus.FINISHED_ABORTED, error)
         self._failed.append(request)
+
+    def reset_stats(self) -> None:
+        self.num_preemptions = self.max_running = 0
 
     def stats(self) -> dict[str, float]:
         return {"sched/num_preemptions": self.num_preemptions, "sched/max_running": self.max_running,
