@@ -26,7 +26,11 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/python -m lab.run $(ARGS)
 
+# NOTE: `slow` tests (long real-model runs) are left to `make test-all`; `gpu` tests skip without CUDA.
 test: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+test-all: setup
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: setup
