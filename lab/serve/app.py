@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request as HTTPRequest
 
+from lab.errors import LabError
 from lab.request import Request
 from lab.serve import session as sessions
 from lab.serve.detokenizer import IncrementalDetokenizer
@@ -124,6 +125,10 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids, params, arrival_time=time.perf_counter())
+        try:
+            self.client.validate(request)
+        except LabError as exc:
+            raise APIError(400, exc.problem, code="invalid_request") from None
         self.admit()
         self.metrics.prompt_tokens.labels(self.options.model_name).inc(len(prompt_token_ids))
         session = sessions.Session(kind, self.options.model_name, request, self.client,

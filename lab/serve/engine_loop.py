@@ -218,6 +218,7 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None: ...
+    def validate(self, request: Request) -> None: ...
     def add_request(self, request: Request, sink: "asyncio.Queue[RequestOutput]") -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def stats(self) -> EngineStats: ...
@@ -262,6 +263,10 @@ class ThreadEngineClient:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.sinks.loop = loop
         self.thread.start()
+
+    def validate(self, request: Request) -> None:
+        """The engine's own checks (LabError), run before admission so a bad request is a 4xx."""
+        self.engine.validate(request)
 
     def add_request(self, request: Request, sink: "asyncio.Queue[RequestOutput]") -> None:
         self.sinks.queues[request.request_id] = sink

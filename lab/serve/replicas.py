@@ -172,6 +172,9 @@ class ReplicaRouter:
         for replica in self.replicas:
             replica.sinks.loop = loop
 
+    def validate(self, request: Request) -> None:
+        """Nothing to check here: each replica's engine validates in its own process."""
+
     def pick(self) -> ProcessReplica:
         n = len(self.replicas)
         order = [self.replicas[(self._next + i) % n] for i in range(n)]
