@@ -58,8 +58,9 @@ class ContiguousKVCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + self.num_tokens
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
-        k_cache[:, :, self.start:end] = k.transpose(1, 2)
-        v_cache[:, :, self.start:end] = v.transpose(1, 2)
-        out = sdpa(q.transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], self._mask,
+        # NOTE: narrow + copy_ rather than slice assignment: Python indexing costs more than the copy at T = 1.
+        k_cache.narrow(2, self.start, self.num_tokens).copy_(k.transpose(1, 2))
+        v_cache.narrow(2, self.start, self.num_tokens).copy_(v.transpose(1, 2))
+        out = sdpa(q.transpose(1, 2), k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end), self._mask,
                    is_causal=self.start == 0)
         return out.transpose(1, 2)  # (B, T, Hq, D)

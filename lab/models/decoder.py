@@ -26,6 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # NOTE: in fp32 HF's casts are no-ops, so the weight can go into the one fused call.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # NOTE: normalise in fp32 and scale after casting back, exactly as HF's Llama/Qwen RMSNorm.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -45,14 +48,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         batch, num_tokens, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(batch, num_tokens, self.num_heads, self.head_dim)     # (B, T, Hq, D)
-        k = k.view(batch, num_tokens, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = v.view(batch, num_tokens, self.num_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        qkv = self.qkv_proj(x)                                                     # (B, T, (Hq + 2 Hkv) D)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = qkv[..., :self.q_size + self.kv_size].view(batch, num_tokens, num_qk_heads, self.head_dim)
+        v = qkv[..., self.q_size + self.kv_size:].view(batch, num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cache.attend(self.layer_idx, q, k, v)                       # (B, T, Hq, D)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)               # (B, T, Hq + Hkv, D)
+        # NOTE: q and k heads are rotated together: one RoPE call instead of two, which matters at T = 1.
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)
+        out = cache.attend(self.layer_idx, q, k, v)                                # (B, T, Hq, D)
         return self.o_proj(out.reshape(batch, num_tokens, self.q_size))
 
 
@@ -104,6 +109,19 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)            # (..., V)
+
+    def use_column_major_weights(self) -> None:
+        """Store every projection's (out, in) weight column-major, i.e. as a transposed (in, out) matrix.
+
+        NOTE: at batch 1 each projection is a matrix-vector product that streams its weight from DRAM. On
+        CPU, MKL's fp32 gemv reads an (in, out) row-major matrix (axpy form) markedly faster than an
+        (out, in) one (dot-product form); see docs/benchmarks.md. Only the memory layout changes: shapes,
+        values, tying and the state dict's names stay the same, so results are bit-identical up to
+        the BLAS summation order.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), strides (1, out)
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF parameter names (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""

@@ -54,24 +54,29 @@ def rope_inv_freq(config: DecoderConfig, hf_config: Any | None = None) -> tuple[
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin table (max_positions, D), computed in fp32 as HF does, cast to the model dtype once."""
+    """cos/sin table (max_positions, 2, D), computed in fp32 as HF does, cast to the model dtype once.
+
+    NOTE: the sin half of the table has its first D/2 entries negated, so that HF's rotate_half(x) * sin
+    becomes roll(x, D/2) * signed_sin: one copy instead of two slices, a negation and a concatenation.
+    """
 
     def __init__(self, config: DecoderConfig, hf_config: Any | None = None) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(config, hf_config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)         # (P, D)
-        self.register_buffer("cos_table", emb.cos() * self.attention_scaling, persistent=False)
-        self.register_buffer("sin_table", emb.sin() * self.attention_scaling, persistent=False)
+        freqs = positions[:, None] * inv_freq[None, :]                     # (P, D/2)
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)                # (P, D)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)        # (P, D)
+        table = torch.stack((cos, signed_sin), dim=1) * self.attention_scaling
+        self.register_buffer("cos_sin_table", table, persistent=False)    # (P, 2, D)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) -> cos, sin (B, T, 1, D), broadcast over heads."""
-        return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
+        """positions (B, T) -> cos, signed_sin (B, T, 1, D), broadcast over heads."""
+        cos_sin = self.cos_sin_table[positions]                            # (B, T, 2, D)
+        return cos_sin[:, :, 0:1], cos_sin[:, :, 1:2]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D): rotate pairs (i, i + D/2), HF's non-interleaved convention."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D): rotate pairs (i, i + D/2), HF's non-interleaved convention; `signed_sin` as served by
+    RotaryEmbedding (first half negated)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

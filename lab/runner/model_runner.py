@@ -33,6 +33,9 @@ class ModelRunner:
         model = DecoderModel(self.config, source.hf_config)
         model.load_hf_state_dict(source.state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            # NOTE: fp32 only: CPU bf16 matmuls (oneDNN) repack a column-major weight on every call, ~6x slower.
+            self.model.use_column_major_weights()
         self.tokenizer = source.tokenizer
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)

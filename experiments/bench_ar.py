@@ -1,0 +1,192 @@
+"""Batch-1 decode benchmark: our `ar` engine against HF transformers' `generate` (`hf`), same weights,
+same process, interleaved repetitions, plus the machine's memory-bandwidth roofline.
+
+Decode tok/s excludes prefill: (n - 1) / (t_last - t_first) over the per-token timestamps. End-to-end
+tok/s is n / (last token - scheduling), prefill included. The roofline for batch-1 decode is
+bandwidth / weight bytes: every step streams every weight matrix once (a tied embedding is counted
+once, since only its row is gathered but the lm_head reads the whole matrix).
+
+    python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
+    python experiments/bench_ar.py --quick         # a short run
+    python experiments/bench_ar.py --dtype bfloat16  # also bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.engines.ar import AREngine
+from lab.engines.base import Engine
+from lab.engines.hf import HFEngine
+from lab.models.sources import smollm2
+from lab.request import Request, SamplingParams
+from lab.runner import ModelRunner
+
+BANDWIDTH_MIB = 256  # per buffer; far above the L3 cache so the copy streams from DRAM
+
+
+@dataclass(slots=True)
+class Samples:
+    decode_tok_s: list[float] = field(default_factory=list)
+    e2e_tok_s: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DtypeResult:
+    weight_bytes: int                  # bytes one decode step streams (tied embedding once)
+    samples: dict[str, Samples]        # engine name -> samples
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # NOTE: the first call pays page faults and thread start-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth_gb_s(repeats: int) -> dict[str, float]:
+    """Copy (STREAM convention: read + write bytes) and read-only (a sum) bandwidth, medians in GB/s."""
+    src = torch.randn(BANDWIDTH_MIB * 2**20 // 4)  # (N,) fp32
+    dst = torch.empty_like(src)
+    num_bytes = src.numel() * src.element_size()
+    copy_s = median_seconds(lambda: dst.copy_(src), repeats)
+    read_s = median_seconds(lambda: src.sum(), repeats)
+    return {"copy": 2 * num_bytes / copy_s / 1e9, "read": num_bytes / read_s / 1e9}
+
+
+def run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
+    params = SamplingParams(max_tokens=num_new_tokens, ignore_eos=True)
+    request = Request(f"{engine.name}-{len(samples.decode_tok_s)}", list(prompt_token_ids), params)
+    engine.run([request])
+    if request.error or request.num_output_tokens != num_new_tokens:
+        raise RuntimeError(f"{engine.name}: {request.num_output_tokens} tokens, error={request.error}")
+    times = request.token_times
+    samples.decode_tok_s.append((len(times) - 1) / (times[-1] - times[0]))
+    samples.e2e_tok_s.append(len(times) / (times[-1] - request.first_scheduled_time))
+    samples.ttft_ms.append((times[0] - request.first_scheduled_time) * 1e3)
+    samples.output_token_ids = request.output_token_ids
+
+
+def row_major_runner(dtype: str) -> ModelRunner:
+    """A runner whose projection weights are back in PyTorch's default (out, in) row-major layout."""
+    runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
+    for module in runner.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.contiguous()
+    return runner
+
+
+def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
+    runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    engines: list[Engine] = [AREngine(runner), HFEngine(runner, batch_size=1)]
+    if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
+        engines.append(AREngine(row_major_runner(dtype), name="ar-rowmajor"))
+    results = {engine.name: Samples() for engine in engines}
+    for engine in engines:
+        run_once(engine, prompt, min(8, args.new_tokens), Samples())  # warm-up: allocator, caches, threads
+    # NOTE: interleave ar, hf, ar, hf ... so drift in the machine's load hits both engines alike.
+    for _ in range(args.reps):
+        for engine in engines:
+            run_once(engine, prompt, args.new_tokens, results[engine.name])
+    return DtypeResult(runner.weight_bytes, results)
+
+
+def profile_decode(dtype: str, args: argparse.Namespace, num_steps: int = 16) -> str:
+    """torch.profiler's top operators over `num_steps` decode steps of our model (after a prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
+    cache = runner.allocate_kv_cache(1, args.prompt_len + 2 * num_steps)
+    cache.begin_forward(0, args.prompt_len)
+    runner.execute(torch.zeros((1, args.prompt_len), dtype=torch.long), torch.arange(args.prompt_len)[None], cache)
+
+    def decode(position: int) -> None:
+        cache.begin_forward(position, 1)
+        runner.execute(torch.zeros((1, 1), dtype=torch.long), torch.tensor([[position]]), cache)
+
+    for position in range(args.prompt_len, args.prompt_len + num_steps):
+        decode(position)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for position in range(args.prompt_len + num_steps, args.prompt_len + 2 * num_steps):
+            decode(position)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def render_table(by_dtype: dict[str, DtypeResult], bandwidth_gb_s: float) -> str:
+    lines = ["| engine | dtype | decode tok/s (median) | min-max | e2e tok/s | TTFT ms | vs hf | of roofline |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for dtype, result in by_dtype.items():
+        results = result.samples
+        roofline = bandwidth_gb_s * 1e9 / result.weight_bytes
+        hf_decode = statistics.median(results["hf"].decode_tok_s)
+        for name in results:
+            s = results[name]
+            decode = statistics.median(s.decode_tok_s)
+            lines.append(f"| {name} | {dtype} | {decode:.1f} | {min(s.decode_tok_s):.1f}-{max(s.decode_tok_s):.1f} "
+                         f"| {statistics.median(s.e2e_tok_s):.1f} | {statistics.median(s.ttft_ms):.0f} "
+                         f"| {decode / hf_decode:.2f}x | {decode / roofline:.0%} |")
+        lines.append(f"| roofline | {dtype} | {roofline:.1f} | | | | {roofline / hf_decode:.2f}x | 100% |")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16 runs fp32 and then bf16")
+    parser.add_argument("--quick", action="store_true", help="32 new tokens, 2 repetitions")
+    parser.add_argument("--row-major", action="store_true",
+                        help="ablation (fp32): also run `ar` with row-major (PyTorch's default) weights")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of ar's decode step")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.new_tokens = 2, 32
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# bench_ar: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens (ignore_eos), greedy, "
+          f"{args.reps} interleaved repetitions per engine, medians")
+    bandwidth = memory_bandwidth_gb_s(repeats=5 if args.quick else 9)
+    best = max(bandwidth.values())
+    print(f"memory bandwidth: copy {bandwidth['copy']:.1f} GB/s, read {bandwidth['read']:.1f} GB/s "
+          f"(roofline uses the higher, {best:.1f} GB/s)")
+    dtypes = ["float32"] + (["bfloat16"] if args.dtype == "bfloat16" else [])
+    by_dtype = {dtype: bench_dtype(dtype, args) for dtype in dtypes}
+    for dtype, result in by_dtype.items():
+        same = result.samples["ar"].output_token_ids == result.samples["hf"].output_token_ids
+        weight_mb = result.weight_bytes / 1e6
+        print(f"{dtype}: weights {weight_mb:.0f} MB read per decode step; ar tokens == hf tokens: {same}")
+    print()
+    print(render_table(by_dtype, best))
+    if args.profile:
+        print(f"\nar decode step, {dtypes[-1]}, self CPU time per operator:\n{profile_decode(dtypes[-1], args)}")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on these cores skew the numbers)")
+
+
+if __name__ == "__main__":
+    main()
