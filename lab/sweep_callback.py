@@ -1,0 +1,55 @@
+"""PlotsCallback: a Hydra callback that draws a sweep's plots (experiments/plots.py) when a multirun ends.
+
+    hydra:
+      callbacks:
+        plots:
+          _target_: lab.sweep_callback.PlotsCallback
+
+Owns: finding the sweep dir and the plotting script, and reporting where the plots went. Ignores: what is
+plotted. Besides lab/run.py, the one module under lab/ that imports hydra (for the Callback base class).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+import lab
+
+SCRIPT = Path("experiments") / "plots.py"
+
+
+def load_plots_module(script: str | Path | None = None) -> ModuleType:
+    """experiments/plots.py as a module: `script` if given, else next to the lab package, else under the cwd."""
+    # NOTE: experiments/ is not an installed package, so it is loaded from its file.
+    candidates = [Path(script)] if script else [Path(lab.__file__).resolve().parents[1] / SCRIPT, Path.cwd() / SCRIPT]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no plotting script at {', '.join(map(str, candidates))}")
+    spec = importlib.util.spec_from_file_location("lab_sweep_plots", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # NOTE: dataclasses look their module up in sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+class PlotsCallback(Callback):
+    def __init__(self, out_dir: str | None = None, script: str | None = None) -> None:
+        self.out_dir = out_dir
+        self.script = script
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            plots = load_plots_module(self.script)
+            result = plots.plot_sweep(sweep_dir, Path(self.out_dir) if self.out_dir else None)
+        except Exception as exc:  # noqa: BLE001 - the sweep's results are already on disk
+            print(f"warning: sweep plots for {sweep_dir} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return
+        print(plots.report(result))
