@@ -49,7 +49,8 @@ def free_port() -> int:
 def start_server(cfg: DictConfig, spec: DictConfig, port: int, log_path: Path) -> subprocess.Popen[bytes]:
     overrides = [f"model={cfg.serving.model}", f"engine={cfg.serving.engine}", f"serve.port={port}",
                  "serve.served_model_name=served", "serve.log_level=warning", "serve.max_queue_len=100000",
-                 f"hydra.run.dir={log_path.parent / (log_path.stem + '_hydra')}", *spec.overrides]
+                 f"hydra.run.dir={log_path.parent / (log_path.stem + '_hydra')}", *cfg.serving.get("model_overrides", []),
+                 *spec.overrides]
     nproc = int(spec.get("nproc", 1))
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                  "127.0.0.1", f"--master-port={free_port()}"] if nproc > 1 else [sys.executable])
@@ -120,15 +121,17 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """p99 TTFT, p99 TPOT and achieved output tok/s against the offered rate (`inf` last), one line per server."""
+    rates = sorted({r["rate"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for server in dict.fromkeys(r["server"] for r in rows):
-        points = [r for r in rows if r["server"] == server]
-        x = [r["request_throughput"] for r in points]  # NOTE: achieved rate, so `inf` has a place on the axis
-        axes[0].plot(x, [r["p99_ttft_ms"] for r in points], "o-", label=server)
-        axes[1].plot(x, [r["p99_tpot_ms"] for r in points], "o-", label=server)
-        axes[2].plot(x, [r["output_throughput"] for r in points], "o-", label=server)
-    for ax, label in zip(axes, ("p99 TTFT (ms)", "p99 TPOT (ms)", "output tok/s")):
-        ax.set_xlabel("achieved request rate (req/s)")
+        points = sorted((r for r in rows if r["server"] == server), key=lambda r: r["rate"])
+        x = [rates.index(r["rate"]) for r in points]
+        for ax, key in zip(axes, ("p99_ttft_ms", "p99_tpot_ms", "output_throughput")):
+            ax.plot(x, [r[key] for r in points], "o-", label=server)
+    for ax, label in zip(axes, ("p99 TTFT (ms)", "p99 TPOT (ms)", "achieved output tok/s")):
+        ax.set_xticks(range(len(rates)), ["inf" if math.isinf(r) else f"{r:g}" for r in rates])
+        ax.set_xlabel("offered request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
@@ -138,6 +141,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(overrides: list[str]) -> None:
+    if overrides[:1] == ["--replot"]:  # python experiments/serving.py --replot <out dir>: redraw from results.json
+        out_dir = Path(overrides[1])
+        plot(json.loads((out_dir / "results.json").read_text())["rows"], out_dir / "serving.png")
+        return
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="bench_serve", overrides=["+experiment=serving", *overrides])
     out_dir = ROOT / cfg.serving.out_dir
