@@ -108,7 +108,8 @@ def _hydra_names() -> tuple[str, str]:
     except ValueError:  # not under @hydra.main (tests call run() directly)
         return "run", "single"
     name = hydra_cfg.job.override_dirname or hydra_cfg.job.name
-    group = Path(hydra_cfg.sweep.dir).name if hydra_cfg.mode == RunMode.MULTIRUN else "single"
+    sweep_dir = Path(hydra_cfg.sweep.dir)
+    group = f"{sweep_dir.parent.name}_{sweep_dir.name}" if hydra_cfg.mode == RunMode.MULTIRUN else "single"
     return name, group
 
 
@@ -124,9 +125,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         load_start = time.perf_counter()
         runner = build_runner(cfg)
+        engine: Engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
+        # NOTE: engines build what they need (HF models, KV pools, drafts) here, so it counts as load
         load = {"phase/load_s": time.perf_counter() - load_start, "memory/load_peak_mb": peak_rss_mb(),
                 **{f"memory/load_{k}": v for k, v in cuda_memory_mb(runner.device).items()}}
-        engine: Engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
         metrics = instantiate(cfg.metrics)
         requests, warmups, arrival, workload_name = build_requests(cfg, runner)
         if warmups:

@@ -57,6 +57,7 @@ class HFEngine(Engine):
         self.batch_size = batch_size
         self.running: list[Request] = []
         self.pad_token_id = self._pad_token_id()
+        runner.hf_model()  # NOTE: built now, so its construction is load time, not the first request's TTFT
 
     def _pad_token_id(self) -> int:
         tokenizer = self.runner.tokenizer
