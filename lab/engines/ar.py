@@ -1,5 +1,8 @@
 """AREngine: batch 1, requests in turn. `use_kv_cache=False` is `ar_nocache` (recompute the whole
 sequence every step); `True` is `ar` (prefill once, then one token per forward over a ContiguousKVCache).
+
+`start_request` and `advance` are the single-request stepping, shared with the `concurrent` engine
+(each of its workers runs this same loop on its own cache).
 """
 
 from __future__ import annotations
@@ -12,8 +15,37 @@ from lab.engines.base import Engine, fail
 from lab.kv_cache import ContiguousKVCache, NoCache
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
+from lab.sample import Sampler
 
 KV_ALLOC_ROUNDING = 256  # tokens; a cache this much larger is reused by the next requests
+
+
+def start_request(request: Request) -> None:
+    request.status = RequestStatus.RUNNING
+    request.first_scheduled_time = time.perf_counter()
+    request.num_computed_tokens = 0
+
+
+def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: ContiguousKVCache | None,
+            generator: torch.Generator | None) -> bool:
+    """One forward for one request, one new token; returns True when the request has just finished.
+
+    With a cache, prefill feeds the whole prompt and each decode step the one token not yet in the cache;
+    without one (`kv_cache=None`), the whole sequence is recomputed.
+    """
+    if kv_cache is not None:
+        start = request.num_computed_tokens
+        new_token_ids = request.all_token_ids[start:]
+        kv_cache.begin_forward(start, len(new_token_ids))
+        cache = kv_cache
+    else:
+        start, new_token_ids, cache = 0, request.all_token_ids, NoCache()
+    input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
+    positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
+    logits = runner.execute(input_ids, positions, cache)                             # (1, V)
+    token_id = sampler.sample(logits, [request.sampling_params], [generator])[0]
+    request.num_computed_tokens = start + len(new_token_ids)
+    return request.append_output_token(token_id, runner.eos_token_ids)
 
 
 class AREngine(Engine):
@@ -29,9 +61,7 @@ class AREngine(Engine):
 
     def _start_next(self) -> Request:
         request = self.waiting.popleft()
-        request.status = RequestStatus.RUNNING
-        request.first_scheduled_time = time.perf_counter()
-        request.num_computed_tokens = 0
+        start_request(request)
         if self.use_kv_cache:
             needed = request.num_prompt_tokens + request.sampling_params.max_tokens
             if self.kv_cache is None or self.kv_cache.max_len < needed:
@@ -44,21 +74,12 @@ class AREngine(Engine):
 
     def step(self) -> list[Request]:
         request = self.current or self._start_next()
-        if self.use_kv_cache:
-            # prefill feeds the whole prompt; each decode step feeds the one token not yet in the cache
-            start = request.num_computed_tokens
-            new_token_ids = request.all_token_ids[start:]
-            self.kv_cache.begin_forward(start, len(new_token_ids))
-            cache = self.kv_cache
-        else:
-            start, new_token_ids, cache = 0, request.all_token_ids, NoCache()
-        input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
-        positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
-        with self.phases.phase("decode" if request.num_output_tokens else "prefill", num_tokens=len(new_token_ids)):
-            logits = self.runner.execute(input_ids, positions, cache)                    # (1, V)
-            token_id = self.sampler.sample(logits, [request.sampling_params], [self.generator_for(request)])[0]
-        request.num_computed_tokens = start + len(new_token_ids)
-        if request.append_output_token(token_id, self.runner.eos_token_ids):
+        cache = self.kv_cache if self.use_kv_cache else None
+        phase = "decode" if request.num_output_tokens else "prefill"
+        num_new_tokens = request.num_tokens - (request.num_computed_tokens if cache is not None else 0)
+        with self.phases.phase(phase, num_tokens=num_new_tokens):
+            finished = advance(self.runner, self.sampler, request, cache, self.generator_for(request))
+        if finished:
             self.current = None
             return [request]
         return []
@@ -68,6 +89,11 @@ class AREngine(Engine):
             return 0, 0
         used = self.current.num_computed_tokens if self.current is not None else 0
         return self.kv_cache.num_bytes, used * self.kv_bytes_per_token
+
+    def abort_running_request(self, request_id: str, error: str) -> Request | None:
+        if self.current is None or self.current.request_id != request_id:
+            return None
+        return self.abort_running(error)[0]
 
     def abort_running(self, error: str) -> list[Request]:
         aborted = fail([self.current], error) if self.current else []
