@@ -181,7 +181,11 @@ def record_failure(run_dir: Path, message: str, exc: BaseException) -> None:
                                                          indent=2))
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# NOTE: an absolute path: the `lab` console script has no calling file for Hydra to resolve "../conf" from.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
