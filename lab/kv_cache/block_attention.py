@@ -1,5 +1,6 @@
 """Attention over BlockKVCache storage for a flat batch of requests: the backend interface and the
-`gather` backend, the clear reference (`fast`, the default, is in split_attention.py).
+`gather` backend, the clear reference (`fast`, the default, is in split_attention.py; `native`, decodes in
+a C++ kernel over the blocks, in native_attention.py).
 
 `gather`: every request's keys are gathered token by token into a padded (R, Hkv, S, D), queries into
 a padded (R, Hq, T, D), and one SDPA call with a causal + padding mask serves decodes and prefill
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import LabError
+from lab.kv_cache.native_attention import NativeAttention
 from lab.kv_cache.split_attention import SplitAttention
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ class AttentionBackend(Protocol):
 
 
 def make_backend(name: str) -> AttentionBackend:
-    backends = {"fast": SplitAttention, "gather": GatherAttention}
+    backends = {"fast": SplitAttention, "gather": GatherAttention, "native": NativeAttention}
     if name not in backends:
         raise LabError(f"unknown attention backend {name!r}", f"use one of {sorted(backends)}")
     return backends[name]()

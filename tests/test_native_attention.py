@@ -1,0 +1,91 @@
+"""The `native` attention backend (C++ decode kernel over KV blocks) and the oneDNN-packed linears give
+the same greedy tokens as `ar`, and the kernel's output matches the gather reference numerically.
+
+The kernel is compiled on first use (minutes on a loaded 2-core machine, then cached), so the tests that
+need it are skipped where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.engines.ar import AREngine
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.kv_cache import PagedKVCacheConfig, SlotKVCacheConfig
+from lab.kv_cache.native_attention import load_kernel
+from lab.models.packed_linear import PackedLinear, can_pack
+from lab.runner import ModelRunner
+from lab.sched import SchedulerConfig
+from tests.helpers import make_requests
+from tests.test_continuous_batching import assert_matches_ar, assert_nothing_held, random_prompts
+
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernel cannot be built here")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_kernel_matches_sdpa_over_gathered_blocks() -> None:
+    generator = torch.Generator().manual_seed(0)
+    num_seqs, num_kv_heads, group, head_dim, block_size, num_blocks = 5, 2, 3, 16, 4, 40
+    k_store = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    v_store = torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    lens = torch.tensor([1, 4, 5, 13, 16])
+    tables = torch.randperm(num_blocks, generator=generator)[:num_seqs * 4].view(num_seqs, 4)
+    q = torch.randn(num_seqs, num_kv_heads, group, head_dim, generator=generator)
+    out = torch.empty_like(q)
+    load_kernel().paged_decode(q, k_store, v_store, tables, lens, 1 / math.sqrt(head_dim), out)
+    for i in range(num_seqs):
+        keys = k_store[:, tables[i]].reshape(num_kv_heads, -1, head_dim)[:, :lens[i]]        # (Hkv, S, D)
+        values = v_store[:, tables[i]].reshape(num_kv_heads, -1, head_dim)[:, :lens[i]]
+        reference = F.scaled_dot_product_attention(q[i], keys, values)                       # (Hkv, G, D)
+        torch.testing.assert_close(out[i], reference, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_cache", [PagedKVCacheConfig(block_size=8, num_blocks=160, attention="native"),
+                                      PagedKVCacheConfig(block_size=4, num_blocks=30, attention="native"),
+                                      SlotKVCacheConfig(max_len=96, attention="native")],
+                         ids=["paged", "paged_preempt", "slots"])
+def test_native_backend_greedy_equals_ar(kv_cache: PagedKVCacheConfig | SlotKVCacheConfig,
+                                         tiny_runner: ModelRunner) -> None:
+    prompts = random_prompts(12, tiny_runner.vocab_size, seed=1)
+    references = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 16, ignore_eos=True)).requests]
+    requests = make_requests(prompts, 16, ignore_eos=True)
+    for i, request in enumerate(requests):
+        request.arrival_time = 0.004 * i
+    engine = ContinuousBatchingEngine(tiny_runner, SchedulerConfig(16, 32), kv_cache)
+    for request, reference in zip(engine.run(requests).requests, references):
+        assert_matches_ar(tiny_runner, request, reference, "native")
+    assert_nothing_held(engine)
+
+
+def test_packed_linear_matches_plain_linear_and_falls_back_when_the_weight_changes(
+        tiny_runner: ModelRunner) -> None:
+    if not can_pack(tiny_runner.device, tiny_runner.dtype):
+        pytest.skip("oneDNN packing needs fp32 on a CPU build with mkldnn")
+    layer = tiny_runner.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer, PackedLinear), "the runner packs every linear in fp32 on CPU"
+    x = torch.randn(1, 7, layer.in_features)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
+    saved = layer.weight.data.clone()
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    try:
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5,
+                                   msg="a stale packed copy must not be used")
+    finally:
+        with torch.no_grad():
+            layer.weight.copy_(saved)
+        layer.pack()
