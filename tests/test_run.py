@@ -88,7 +88,7 @@ def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
     proc = lab_cli("-m", "model=tiny", "workload.num_prompts=1", "workload.input_len=8",
                    "workload.output_len=2,5000", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name[0].isdigit())  # not plots/, .submitit
     assert len(jobs) == 2, [p.name for p in jobs]
     assert (jobs[0] / "results.json").is_file()
     error = json.loads((jobs[1] / "error.json").read_text())["error"]
