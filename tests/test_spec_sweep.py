@@ -1,0 +1,78 @@
+"""experiments/spec_sweep.py on hand-made results: rows carry each job's settings and measurements, failed
+jobs are skipped, the three PNGs are written and the table has a line per job."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "spec_sweep.py"
+
+
+@pytest.fixture(scope="module")
+def spec_sweep() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("spec_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _results(workload: str, proposer: str, k: int, concurrency: int, speedup: float) -> dict:
+    target = {"ngram": "lab.spec.ngram_config.NgramProposerConfig",
+              "layerskip": "lab.spec.draft_model.LayerSkipProposerConfig"}[proposer]
+    accepted = [0.6 / (i + 1) for i in range(k)]
+    return {"workload": workload, "max_concurrency": concurrency, "total_output_tokens": 100,
+            "mean_tpot_ms": 50.0 / speedup, "baseline/mean_tpot_ms": 50.0, "baseline/duration": 5.0,
+            "spec/speedup_tpot": speedup, "spec/speedup_e2e": speedup * 0.9, "spec/same_output_as_baseline": True,
+            "spec/num_spec_tokens": k, "spec_decode_num_drafts": 40, "spec_decode_acceptance_rate": 100 * sum(accepted) / k,
+            "spec_decode_acceptance_length": 1 + sum(accepted), "spec/tokens_per_target_forward": 1 + sum(accepted),
+            "spec/draft_s": 0.1 * k, "spec/verify_s": 4.0,
+            **{f"spec_decode_per_position_acceptance_rate/{i}": a for i, a in enumerate(accepted)},
+            "config": {"concurrency": concurrency, "engine": {"num_spec_tokens": k, "proposer": {
+                "_target_": target, **({"num_layers": 8} if proposer == "layerskip" else {"min_n": 1})}}}}
+
+
+def _write_sweep(root: Path) -> Path:
+    num = 0
+    for workload in ("mtbench", "gsm8k"):
+        for proposer in ("ngram", "layerskip"):
+            for k in (1, 2, 4):
+                for concurrency in (1, 4):
+                    job = root / f"{num}_k={k}"
+                    job.mkdir(parents=True)
+                    speedup = (1.0 + 0.1 * k) / concurrency ** 0.5
+                    (job / "results.json").write_text(json.dumps(_results(workload, proposer, k, concurrency, speedup)))
+                    num += 1
+    failed = root / f"{num}_failed"
+    failed.mkdir()
+    (failed / "results.json").write_text(json.dumps({"failed_job": True, "error": "boom", "completed": 0}))
+    (failed / "error.json").write_text("{}")
+    return root
+
+
+def test_rows_carry_settings_and_measurements(spec_sweep: ModuleType, tmp_path: Path) -> None:
+    rows, skipped = spec_sweep.load_rows([_write_sweep(tmp_path / "sweep")])
+    assert len(rows) == 24 and [p.name for p in skipped] == ["24_failed"]
+    row = next(r for r in rows if r["workload"] == "gsm8k" and r["proposer"] == "layerskip[8]" and r["k"] == 4
+               and r["concurrency"] == 4)
+    assert row["speedup_tpot"] == pytest.approx(1.4 / 2)
+    assert row["per_position"] == pytest.approx([0.6, 0.3, 0.2, 0.15])
+    assert row["draft_ms_per_token"] == pytest.approx(4.0) and row["verify_ms_per_token"] == pytest.approx(40.0)
+    assert row["same_output"] is True
+
+
+def test_main_writes_three_pngs_and_a_table(spec_sweep: ModuleType, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = _write_sweep(tmp_path / "sweep")
+    assert spec_sweep.main([str(sweep), "--out", str(tmp_path / "figs")]) == 0
+    names = sorted(p.name for p in (tmp_path / "figs").iterdir())
+    assert names == ["spec_acceptance.png", "spec_speedup.png", "spec_time_split.png"]
+    assert all((tmp_path / "figs" / n).stat().st_size > 10_000 for n in names)
+    printed = capsys.readouterr().out
+    table = [line for line in printed.splitlines() if line.startswith("| mtbench") or line.startswith("| gsm8k")]
+    assert len(table) == 24, printed
+    assert "skipped" in printed and "24_failed" in printed
