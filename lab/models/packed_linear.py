@@ -58,3 +58,14 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> 
             module.pack(batch_hint)
             count += 1
     return count
+
+
+def unpack_linear_weights(model: nn.Module) -> int:
+    """Undo pack_linear_weights (every linear back to MKL's F.linear); returns how many. For A/B runs."""
+    count = 0
+    for module in model.modules():
+        if type(module) is PackedLinear:
+            module.__class__ = nn.Linear
+            del module.packed, module._packed_key
+            count += 1
+    return count
