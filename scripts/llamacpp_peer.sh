@@ -11,7 +11,8 @@
 # our cached HF model holds, checked on the embedding); (3) serve it with llama_cpp.server and ours with
 # lab-serve (127.0.0.1); (4) lab-bench-serve against each at each rate; (5) a table in $OUT/table.md.
 # NOTE: llama-cpp-python's server runs one request at a time (no parallel slots), so its saturation
-# throughput is batch-1 decode; ours batches (cb_paged). EOS is suppressed on both (ignore_eos for ours,
+# throughput is batch-1 decode; ours batches (cb_paged). --interrupt_requests False: by default a new
+# request cuts the stream in progress short, which would turn every overlapping request into a few tokens. EOS is suppressed on both (ignore_eos for ours,
 # a logit bias on EOS for llama.cpp, which has no ignore_eos), so both generate the requested lengths.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -77,7 +78,8 @@ EOF
 # (3) both servers
 LLAMA_PORT=$(free_port); LAB_PORT=$(free_port)
 "$PY" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" --n_threads "$THREADS" \
-  --n_threads_batch "$THREADS" --n_ctx 4096 --model_alias smollm2 > "$OUT/llamacpp.log" 2>&1 &
+  --n_threads_batch "$THREADS" --n_ctx 4096 --model_alias smollm2 --interrupt_requests False \
+  > "$OUT/llamacpp.log" 2>&1 &
 LLAMA_PID=$!
 "$PY" -m lab.serve model=smollm2 engine=cb_paged "threads=$THREADS" "serve.port=$LAB_PORT" \
   serve.served_model_name=smollm2 serve.log_level=warning "hydra.run.dir=$OUT/lab_serve" > "$OUT/lab.log" 2>&1 &
