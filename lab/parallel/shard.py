@@ -20,6 +20,7 @@ from torch import nn
 from lab.errors import LabError
 from lab.models.config import DecoderConfig
 from lab.models.decoder import Attention, DecoderModel, MLP
+from lab.models.packed_linear import can_pack, pack_linear_weights
 from lab.parallel.distributed import current
 from lab.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, padded_rows, vocab_range
 from lab.runner import ModelRunner
@@ -91,6 +92,8 @@ def shard_runner(runner: ModelRunner, group: dist.ProcessGroup | None = None) ->
     group = group if group is not None else ctx.group
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     shard_model(runner.model, rank, world_size, group)
+    if can_pack(runner.device, runner.dtype):
+        pack_linear_weights(runner.model)  # NOTE: the new column-parallel linears get the runner's fast path too
     c = runner.config
     runner.config = dataclasses.replace(c, num_heads=c.num_heads // world_size,
                                         num_kv_heads=c.num_kv_heads // world_size)
