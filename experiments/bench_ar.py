@@ -9,6 +9,7 @@ once, since only its row is gathered but the lm_head reads the whole matrix).
     python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
     python experiments/bench_ar.py --quick         # a short run
     python experiments/bench_ar.py --dtype bfloat16  # also bf16
+    OMP_WAIT_POLICY=PASSIVE python experiments/bench_ar.py  # cores shared with other jobs: see docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# bench_ar: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {os.getloadavg()[0]:.2f}")
     print(f"prompt {args.prompt_len} random tokens, {args.new_tokens} new tokens (ignore_eos), greedy, "
           f"{args.reps} interleaved repetitions per engine, medians")
     bandwidth = memory_bandwidth_gb_s(repeats=5 if args.quick else 9)

@@ -1,8 +1,10 @@
 """Speculative-decoding sweep (conf/experiment/spec_sweep.yaml): acceptance (rate, length tau, per position),
-speedup vs k and vs concurrency per proposer, and where a step's time goes (draft vs verify), as PNGs
-(matplotlib, Agg) plus a markdown table on stdout.
+speedup vs k and vs concurrency per proposer, and what a speculative step costs and buys relative to a
+plain step (draft vs verify), as PNGs (matplotlib, Agg) plus a markdown table on stdout.
 
-    python experiments/spec_sweep.py outputs/multirun/<day>/spec_sweep_<time> [--out docs/figures]
+    python experiments/spec_sweep.py <sweep dir> [<sweep dir> ...] [--out docs/figures]
+
+Several sweep dirs of the same experiment are combined: each setting's numbers are the median over runs.
 
 Every job ran its own k=0 baseline first on the same requests (engine.measure_speedup), so each speedup
 is a ratio measured within one process. Owns: reading the jobs' results.json and drawing. Ignores: measuring.
@@ -17,17 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 
 PROPOSERS = {"NgramProposerConfig": "ngram", "LayerSkipProposerConfig": "layerskip",
              "DraftModelProposerConfig": "draft_model"}
-COLUMNS = {"workload": "dataset", "proposer": "proposer", "k": "k", "concurrency": "conc.",
-           "acceptance_rate": "accept %", "acceptance_length": "tau", "tokens_per_forward": "tok/fwd",
+COLUMNS = {"workload": "dataset", "proposer": "proposer", "k": "k", "concurrency": "conc.", "runs": "runs",
+           "acceptance_rate": "accept %", "acceptance_length": "tau", "tokens_per_request_step": "tok/req/step",
            "baseline_tpot_ms": "TPOT k=0 (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",
-           "speedup_e2e": "speedup e2e", "draft_ms_per_token": "draft ms/tok", "verify_ms_per_token": "verify ms/tok",
-           "same_output": "same output"}
+           "speedup_e2e": "speedup e2e", "verify_step_cost": "verify step / k=0 step",
+           "draft_step_cost": "draft / k=0 step", "same_output": "same output"}
+KEY = ("workload", "proposer", "k", "concurrency")
 
 
 def proposer_name(engine: dict[str, Any]) -> str:
@@ -37,42 +41,66 @@ def proposer_name(engine: dict[str, Any]) -> str:
 
 
 def job_row(results: dict[str, Any]) -> dict[str, Any]:
-    """One finished job's results.json -> the fields the plots and the table use."""
+    """One finished job's results.json -> the fields the plots and the table use.
+
+    A speculative decode step (target forward over 1 + k tokens per request, then the draft) is timed
+    against a plain step of the k=0 baseline (its TPOT: one token per request per step), so
+    speedup ~ tokens per request per step / (verify_step_cost + draft_step_cost)."""
     config = results.get("config", {})
     engine = config.get("engine", {})
     k = int(results.get("spec/num_spec_tokens", engine.get("num_spec_tokens", 0)))
-    tokens = max(1, results.get("total_output_tokens", 0))
+    concurrency = int(results.get("max_concurrency") or config.get("concurrency") or 1)
+    baseline_step_ms = results.get("baseline/mean_tpot_ms", math.nan)
+    decode_steps, draft_steps = results.get("phase/decode_steps", 0), results.get("phase/draft_steps", 0)
+    tokens = results.get("total_output_tokens", 0)
     return {
         "workload": results.get("workload", "?"), "proposer": proposer_name(engine), "k": k,
-        "concurrency": int(results.get("max_concurrency") or config.get("concurrency") or 1),
+        "concurrency": concurrency, "runs": 1,
         "acceptance_rate": results.get("spec_decode_acceptance_rate", math.nan),
         "acceptance_length": results.get("spec_decode_acceptance_length", math.nan),
         "per_position": [results.get(f"spec_decode_per_position_acceptance_rate/{i}", math.nan) for i in range(k)],
-        "num_drafts": results.get("spec_decode_num_drafts", 0),
-        "tokens_per_forward": results.get("spec/tokens_per_target_forward", math.nan),
-        "baseline_tpot_ms": results.get("baseline/mean_tpot_ms", math.nan), "tpot_ms": results.get("mean_tpot_ms"),
+        # NOTE: every request-step emits one target token, plus the drafts it accepted
+        "tokens_per_request_step": tokens / max(1, tokens - results.get("spec_decode_num_accepted_tokens", 0)),
+        "baseline_tpot_ms": baseline_step_ms, "tpot_ms": results.get("mean_tpot_ms", math.nan),
         "speedup_tpot": results.get("spec/speedup_tpot", math.nan),
         "speedup_e2e": results.get("spec/speedup_e2e", math.nan),
         "same_output": results.get("spec/same_output_as_baseline"),
-        "draft_ms_per_token": 1e3 * results.get("spec/draft_s", math.nan) / tokens,
-        "verify_ms_per_token": 1e3 * results.get("spec/verify_s", math.nan) / tokens,
-        "baseline_ms_per_token": results.get("baseline/duration", math.nan) * 1e3 / tokens,
+        "verify_step_cost": 1e3 * results.get("phase/decode_s", math.nan) / max(1, decode_steps) / baseline_step_ms,
+        "draft_step_cost": 1e3 * results.get("spec/draft_s", math.nan) / max(1, draft_steps) / baseline_step_ms,
     }
 
 
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Repeated settings (several sweep dirs) -> one row each: the median of every number, sorted."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[key] for key in KEY), []).append(row)
+    out = []
+    for group in groups.values():
+        row = dict(group[0], runs=len(group), same_output=all(r["same_output"] is True for r in group))
+        for name, value in group[0].items():
+            if isinstance(value, float):
+                row[name] = float(np.median([r[name] for r in group]))
+        row["per_position"] = np.median([r["per_position"] for r in group], axis=0).tolist()
+        out.append(row)
+    return sorted(out, key=lambda r: tuple(r[key] for key in KEY))
+
+
 def load_rows(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Path]]:
-    """(a row per finished job, sorted; job dirs skipped because they failed or hold no results)."""
+    """(a row per setting, medians over repeats; job dirs skipped because they failed or hold no results)."""
     rows, skipped = [], []
     for sweep_dir in sweep_dirs:
-        for path in sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir()):
+        # NOTE: a job dir is wherever results.json or error.json sits: an override such as
+        # engine/proposer=ngram puts a "/" into Hydra's override_dirname, nesting the job one level deeper.
+        job_dirs = {p.parent for name in ("results.json", "error.json") for p in Path(sweep_dir).rglob(name)}
+        for path in sorted(job_dirs):
             results_file = path / "results.json"
             results = json.loads(results_file.read_text()) if results_file.is_file() else {}
             if (path / "error.json").exists() or not results or results.get("failed_job"):
                 skipped.append(path)
                 continue
             rows.append(job_row(results))
-    rows.sort(key=lambda r: (r["workload"], r["proposer"], r["concurrency"], r["k"]))
-    return rows, skipped
+    return aggregate(rows), skipped
 
 
 def _series(rows: list[dict[str, Any]], **fixed: Any) -> dict[str, list[dict[str, Any]]]:
@@ -141,21 +169,33 @@ def plot_speedup(rows: list[dict[str, Any]], out: Path) -> Path:
     return _save(fig, out / "spec_speedup.png")
 
 
-def plot_time_split(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Per output token: draft ms and verify ms with speculation, next to the k=0 baseline's ms."""
-    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(rows)), 4))
-    labels = [f"{r['workload'][:5]} {r['proposer']} k{r['k']} c{r['concurrency']}" for r in rows]
-    xs = range(len(rows))
-    verify = [r["verify_ms_per_token"] for r in rows]
-    ax.bar(xs, verify, label="verify (target forwards)", color="tab:blue")
-    ax.bar(xs, [r["draft_ms_per_token"] for r in rows], bottom=verify, label="draft", color="tab:orange")
-    ax.scatter(xs, [r["baseline_ms_per_token"] for r in rows], color="black", marker="_", s=200, zorder=3,
-               label="k=0 baseline (wall ms / token)")
-    ax.set_xticks(list(xs), labels, rotation=75, fontsize=7)
-    ax.set_ylabel("ms per output token")
-    ax.set_title("Where the time goes: draft vs verify, per output token")
-    ax.legend(fontsize=7)
-    return _save(fig, out / "spec_time_split.png")
+def plot_step_cost(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Per decode step, relative to a plain (k=0) step at the same concurrency: verify + draft cost, and
+    the tokens each request gains; speedup ~ their ratio. One bar per concurrency for each setting."""
+    settings = list(dict.fromkeys((r["workload"], r["proposer"], r["k"]) for r in rows))
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    by_key = {(r["workload"], r["proposer"], r["k"], r["concurrency"]): r for r in rows}
+    width = 0.8 / len(concurrencies)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(settings)), 7), sharex=True)
+    for i, concurrency in enumerate(concurrencies):
+        xs = [j + (i - (len(concurrencies) - 1) / 2) * width for j in range(len(settings))]
+        chosen = [by_key.get((*setting, concurrency)) for setting in settings]
+        verify = [r["verify_step_cost"] if r else math.nan for r in chosen]
+        draft = [r["draft_step_cost"] if r else math.nan for r in chosen]
+        color = plt.get_cmap("tab10")(i)
+        axes[0].bar(xs, verify, width, color=color, label=f"verify, concurrency {concurrency}")
+        axes[0].bar(xs, draft, width, bottom=verify, color=color, alpha=0.4, hatch="//",
+                    label=f"draft, concurrency {concurrency}")
+        axes[1].bar(xs, [r["tokens_per_request_step"] if r else math.nan for r in chosen], width, color=color,
+                    label=f"concurrency {concurrency}")
+    axes[0].set(ylabel="step time / k=0 step time", title="cost of a speculative decode step (k=0 step = 1)")
+    axes[1].set(ylabel="tokens per request per step", title="what a step buys (k=0 step = 1 token)")
+    for ax in axes:
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_xticks(range(len(settings)), [f"{w} {p} k={k}" for w, p, k in settings], rotation=60, fontsize=7)
+    return _save(fig, out / "spec_step_cost.png")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -178,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = args.out or args.sweep_dirs[0] / "plots"
     out.mkdir(parents=True, exist_ok=True)
-    for path in (plot_acceptance(rows, out), plot_speedup(rows, out), plot_time_split(rows, out)):
+    for path in (plot_acceptance(rows, out), plot_speedup(rows, out), plot_step_cost(rows, out)):
         print(f"wrote {path}")
     print(markdown_table(rows))
     for path in skipped:

@@ -20,6 +20,7 @@ import torch
 
 from lab.engines.base import Engine
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig, SeqSlice
+from lab.profiling.ranges import profile_range
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
@@ -60,9 +61,13 @@ class ContinuousBatchingEngine(Engine):
         return self.scheduler.abort_request(request_id, error)
 
     def step(self) -> list[Request]:
-        out = self.scheduler.schedule()
+        # NOTE: labelled ranges (no-ops without a profiler) so the profile splits a step into scheduler
+        # work (schedule + update), prepare_inputs, the forward (prefill/decode/mixed) and sample.
+        with profile_range("schedule"):
+            out = self.scheduler.schedule()
         sampled = self._execute(out) if not out.is_empty else {}
-        finished = self.scheduler.update_from_output(out, sampled)
+        with profile_range("schedule"):
+            finished = self.scheduler.update_from_output(out, sampled)
         self.num_steps += 1
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         reserved, used = self._kv_tokens()
@@ -76,6 +81,16 @@ class ContinuousBatchingEngine(Engine):
 
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
+        with profile_range("prepare_inputs"):
+            input_ids, positions, sample_rows, samplers = self._prepare_inputs(out)
+        with self.phases.phase(_phase_name(out), num_tokens=input_ids.shape[1]):
+            logits = self.runner.execute(input_ids, positions, self.kv_cache, logits_index=sample_rows)[0]  # (R', V)
+            with profile_range("sample"):
+                return self.select_tokens(out, samplers, logits) if samplers else {}
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Request]]:
+        """(input_ids (1, N), positions (1, N), rows to sample (R',), sampling requests); builds the step's
+        KV index (block tables, slot mapping) in the cache."""
         counts = out.num_scheduled_tokens
         # NOTE: single-token queries first, longest context first: the attention backend batches them
         # and cuts them into groups of similar length.
@@ -93,10 +108,7 @@ class ContinuousBatchingEngine(Engine):
         self.kv_cache.begin_step(seqs)
         input_ids = torch.tensor(token_ids, dtype=torch.long)[None]                          # (1, N)
         positions = self.kv_cache.index.positions[None]                                      # (1, N)
-        with self.phases.phase(_phase_name(out), num_tokens=len(token_ids)):
-            logits = self.runner.execute(input_ids, positions, self.kv_cache,
-                                         logits_index=torch.tensor(sample_rows, dtype=torch.long))[0]  # (R', V)
-            return self.select_tokens(out, samplers, logits) if samplers else {}
+        return input_ids, positions, torch.tensor(sample_rows, dtype=torch.long), samplers
 
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
                       logits: torch.Tensor) -> dict[str, int | list[int]]:

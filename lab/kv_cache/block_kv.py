@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.kv_cache.block_attention import make_backend
+from lab.profiling.ranges import profile_range
 
 
 @dataclass(slots=True)
@@ -71,9 +72,10 @@ class BlockKVCache:
         # NOTE: every token's KV is written before any attention, so a request that hit a prefix block
         # published this step reads it in the same forward that computes it.
         flat_shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
-        self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k[0].transpose(0, 1))
-        self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v[0].transpose(0, 1))
-        out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
+        with profile_range("attention"):
+            self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k[0].transpose(0, 1))
+            self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v[0].transpose(0, 1))
+            out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
         return out.unsqueeze(0)
 
 
