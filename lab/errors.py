@@ -8,3 +8,8 @@ class LabError(Exception):
         self.problem = problem
         self.fix = fix
         super().__init__(f"{problem}\n  fix: {fix}" if fix else problem)
+
+    @property
+    def one_line(self) -> str:
+        """Problem and fix on one line (an HTTP error body)."""
+        return f"{self.problem}; fix: {self.fix}" if self.fix else self.problem

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from lab.engines.continuous import ContinuousBatchingEngine
+from lab.errors import LabError
 from lab.kv_cache import BlockKVCache, PagedKVCacheConfig, SlotKVCacheConfig
 from lab.request import Request, RequestStatus, SamplingParams
 from lab.sched import SchedulerConfig, SchedulerOutput
@@ -162,10 +164,38 @@ def test_no_admission_in_a_step_that_preempted() -> None:
             assert not out.scheduled_new_request_ids, f"admitted {out.scheduled_new_request_ids} while preempting"
 
 
+def test_engine_validation_rejects_a_request_that_can_never_fit() -> None:
+    engine = _engine(num_blocks=4, block_size=4)             # 16 tokens of KV in all
+    engine.validate(_requests([3], 14)[0])                   # 3 + 14 - 1 = 16 tokens: fits
+    for request in _requests([20, 3], [4, 20]):
+        with pytest.raises(LabError, match="more than the whole KV cache holds") as info:
+            engine.validate(request)
+        assert "num_blocks" in info.value.fix and "max_tokens" in info.value.fix, info.value.fix
+        with pytest.raises(LabError):
+            engine.add_request(request)
+    assert not engine.has_unfinished_requests(), "a rejected request must not be queued"
+    assert engine.kv_manager.num_held_blocks == 0
+
+
+def test_engine_validation_rejects_a_prompt_over_budget_without_chunked_prefill() -> None:
+    engine = _engine(max_num_batched_tokens=16, chunked=False)
+    with pytest.raises(LabError, match="chunked prefill off") as info:
+        engine.validate(_requests([30], 4)[0])
+    assert "enable_chunked_prefill" in info.value.fix, info.value.fix
+    engine.validate(_requests([10], 4)[0])
+
+
+def _drain_via_scheduler(engine: ContinuousBatchingEngine, requests: list[Request]) -> list[Request]:
+    """Queue past the engine's validation, straight into the scheduler (its own safeguard)."""
+    for request in requests:
+        engine.scheduler.add_request(request)
+    return _drain(engine, [])
+
+
 def test_requests_that_can_never_fit_fail_with_a_reason_and_the_rest_finish() -> None:
     engine = _engine(num_blocks=4, block_size=4)             # 16 tokens of KV in all
     requests = _requests([3, 20, 3], [4, 4, 20])
-    finished = {r.request_id: r for r in _drain(engine, requests)}
+    finished = {r.request_id: r for r in _drain_via_scheduler(engine, requests)}
     assert finished["r0"].status is RequestStatus.FINISHED_LENGTH
     for request_id in ("r1", "r2"):
         assert finished[request_id].status is RequestStatus.FINISHED_ABORTED
@@ -174,7 +204,7 @@ def test_requests_that_can_never_fit_fail_with_a_reason_and_the_rest_finish() ->
 
 def test_without_chunked_prefill_a_prompt_over_budget_is_rejected_not_hung() -> None:
     engine = _engine(max_num_batched_tokens=16, chunked=False)
-    finished = {r.request_id: r for r in _drain(engine, _requests([10, 30, 4], 4))}
+    finished = {r.request_id: r for r in _drain_via_scheduler(engine, _requests([10, 30, 4], 4))}
     assert finished["r1"].status is RequestStatus.FINISHED_ABORTED and "chunked prefill" in finished["r1"].error
     assert finished["r0"].status is finished["r2"].status is RequestStatus.FINISHED_LENGTH
     prompt_steps = [out.num_scheduled_tokens.get("r0") for out in engine.outputs]
@@ -202,3 +232,13 @@ def test_abort_request_frees_a_running_or_waiting_request() -> None:
     assert running.status is waiting.status is RequestStatus.FINISHED_ABORTED and running.error == "client left"
     assert engine.abort_request("r0") is None
     assert engine.kv_manager.num_held_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_release_request_state_drops_the_request_generator() -> None:
+    engine = _engine()
+    request = Request("r0", [1, 2], SamplingParams(max_tokens=2, temperature=1.0))
+    generator = engine.generator_for(request)
+    assert generator is not None and engine.generator_for(request) is generator, "one generator per request"
+    engine.release_request_state("r0")
+    assert engine.generator_for(request) is not generator, "release must drop the request's generator"
+    engine.release_request_state("never-seen")   # a no-op, not an error

@@ -14,10 +14,14 @@ import openai
 import pytest
 
 from lab.engines.ar import AREngine
+from lab.engines.base import Engine
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
-from lab.serve.engine_loop import ThreadEngineClient
+from lab.sched import SchedulerConfig
+from lab.serve.engine_loop import AddRequest, EngineLoop, RequestOutput, Shutdown, ThreadEngineClient
 from lab.serve.server import ServerThread
 from tests.helpers import chat_prompt
 
@@ -26,8 +30,8 @@ PROMPT = [10, 200, 3000, 45, 6, 789, 1011]
 
 
 class Served:
-    def __init__(self, runner: ModelRunner, max_queue_len: int = 64) -> None:
-        self.engine = AREngine(runner)
+    def __init__(self, runner: ModelRunner, max_queue_len: int = 64, engine: Engine | None = None) -> None:
+        self.engine = engine or AREngine(runner)
         self.server = OpenAIServer(ThreadEngineClient(self.engine), runner.tokenizer, runner.vocab_size,
                                    ServeOptions(MODEL, max_queue_len=max_queue_len))
         self.thread = ServerThread(create_app(self.server))
@@ -185,3 +189,38 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv(served: Served) -> Non
     assert not served.engine.has_unfinished_requests()
     assert served.engine.kv_usage()[1] == 0, f"KV still in use: {served.engine.kv_usage()}"
     assert 'finished_reason="abort"' in httpx.get(served.url + "/metrics").text
+
+
+SMALL_KV = PagedKVCacheConfig(block_size=4, num_blocks=8, kv_cache_memory_mb=None)   # 32 tokens of KV in all
+
+
+def _small_kv_engine(runner: ModelRunner) -> ContinuousBatchingEngine:
+    return ContinuousBatchingEngine(runner, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), SMALL_KV)
+
+
+def test_request_that_never_fits_the_kv_pool_is_400_not_500(tiny_text_runner: ModelRunner) -> None:
+    served = Served(tiny_text_runner, engine=_small_kv_engine(tiny_text_runner))
+    with served.thread:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": [5] * 10, "max_tokens": 40, "stream": stream}   # 49 tokens of KV
+            response = httpx.post(served.url + "/v1/completions", json=body)
+            assert response.status_code == 400, f"stream={stream}: {response.status_code} {response.text}"
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error", error
+            assert "more than the whole KV cache holds (8 blocks of 4 tokens)" in error["message"], error
+            assert "fix:" in error["message"] and "lower max_tokens" in error["message"], error
+        ok = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": [5] * 10, "max_tokens": 8})
+        assert ok.status_code == 200, ok.text
+        served.wait_idle()
+        assert served.engine.kv_manager.num_held_blocks == 0
+
+
+def test_engine_loop_marks_a_request_the_engine_refuses_as_invalid(tiny_text_runner: ModelRunner) -> None:
+    """The replica path: the router does not validate, so the engine loop's refusal must still read as a 4xx."""
+    emitted: list[RequestOutput] = []
+    loop = EngineLoop(_small_kv_engine(tiny_text_runner), lambda outputs, stats: emitted.extend(outputs))
+    loop.inbox.put(AddRequest(Request("big", [5] * 10, SamplingParams(max_tokens=40))))
+    loop.inbox.put(Shutdown(drain=True))
+    loop.run()
+    assert [(o.request_id, o.finish_reason, o.is_invalid) for o in emitted] == [("big", "error", True)], emitted
+    assert "more than the whole KV cache holds" in emitted[0].error and "fix:" in emitted[0].error

@@ -115,6 +115,10 @@ class Engine(ABC):
             self._generators[request.request_id] = make_generator(seed, self.runner.device)
         return self._generators[request.request_id]
 
+    def release_request_state(self, request_id: str) -> None:
+        """Drop what the engine keeps per request once it has ended (its sampling generator); no-op if none."""
+        self._generators.pop(request_id, None)
+
     # -- the run loop --------------------------------------------------------------------------
     def run(self, requests: list[Request], max_concurrency: int | None = None) -> RunResult:
         """Serve `requests`, each admitted at its arrival_time (seconds after the start).
@@ -152,7 +156,7 @@ class Engine(ABC):
             self.peak_kv_used_bytes = max(self.peak_kv_used_bytes, used)
         end = max((r.finished_time or start for r in requests), default=start)
         for request in requests:
-            self._generators.pop(request.request_id, None)
+            self.release_request_state(request.request_id)
         return RunResult(requests, start, end - start)
 
 

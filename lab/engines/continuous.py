@@ -47,6 +47,13 @@ class ContinuousBatchingEngine(Engine):
         self.scheduler.reset_stats()
 
     # -- Engine interface --------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        """The context checks, then whether the KV cache and token budget could ever run the request."""
+        super().validate(request)
+        error = self.scheduler.never_fits(request)
+        if error is not None:
+            raise error
+
     def add_request(self, request: Request) -> None:
         self.validate(request)
         self.scheduler.add_request(request)

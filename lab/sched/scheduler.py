@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request, RequestStatus
 from lab.sched.output import SchedulerConfig, SchedulerOutput
@@ -36,26 +37,34 @@ class Scheduler:
 
     # -- queues ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        # NOTE: engines raise this error in validate() before queueing; failing it here is the safeguard.
         error = self.never_fits(request)
         if error is not None:
-            self._fail(request, error)
+            self._fail(request, str(error))
             return
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def never_fits(self, request: Request) -> str | None:
-        """Why this request can never run with this cache and budget, or None."""
+    def never_fits(self, request: Request) -> LabError | None:
+        """Why this request can never run with this cache and budget (problem and fix), or None."""
         # NOTE: the last sampled token never needs KV, and a recompute prefill covers prompt + outputs.
-        max_kv_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
+        num_prompt, max_tokens = request.num_prompt_tokens, request.sampling_params.max_tokens
+        max_kv_tokens = num_prompt + max_tokens - 1
         kv = self.kv_manager
         if not kv.can_fit(max_kv_tokens):
-            return (f"request {request.request_id} needs KV for up to {max_kv_tokens} tokens; the cache holds "
-                    f"{kv.num_blocks} blocks of {kv.block_size} tokens (raise engine.kv_cache.num_blocks / "
-                    f"max_len or lower max_tokens)")
+            return LabError(
+                f"request {request.request_id}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs KV "
+                f"for up to {max_kv_tokens} tokens, more than the whole KV cache holds ({kv.num_blocks} blocks of "
+                f"{kv.block_size} tokens), so it could never run",
+                "shorten the prompt or lower max_tokens, or give the engine a bigger cache "
+                "(engine.kv_cache.num_blocks / kv_cache_memory_mb, or max_len for slots)")
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and max_kv_tokens > budget:
-            return (f"request {request.request_id} may need a {max_kv_tokens}-token prefill, over "
-                    f"max_num_batched_tokens={budget} with chunked prefill off (enable it or raise the budget)")
+            return LabError(
+                f"request {request.request_id} may need a {max_kv_tokens}-token prefill, over "
+                f"max_num_batched_tokens={budget} with chunked prefill off, so it could never run",
+                "shorten the prompt or lower max_tokens, or set engine.scheduler.enable_chunked_prefill=true "
+                "or raise engine.scheduler.max_num_batched_tokens")
         return None
 
     def has_unfinished_requests(self) -> bool:

@@ -128,7 +128,7 @@ class OpenAIServer:
         try:
             self.client.validate(request)
         except LabError as exc:
-            raise APIError(400, exc.problem, code="invalid_request") from None
+            raise APIError(400, exc.one_line, code="invalid_request") from None
         self.admit()
         self.metrics.prompt_tokens.labels(self.options.model_name).inc(len(prompt_token_ids))
         session = sessions.Session(kind, self.options.model_name, request, self.client,

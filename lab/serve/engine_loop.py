@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from lab.engines.base import Engine
+from lab.errors import LabError
 from lab.request import Request, RequestStatus
 
 log = logging.getLogger("lab.serve")
@@ -36,6 +37,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"; None while running
     error: str | None = None
+    is_invalid: bool = False             # the engine refused the request (LabError): a 4xx, not a 5xx
 
     @property
     def is_finished(self) -> bool:
@@ -101,6 +103,9 @@ class EngineLoop:
             request = command.request
             try:
                 self.engine.add_request(request)
+            except LabError as exc:
+                outputs.append(RequestOutput(request.request_id, [], "error", exc.one_line, is_invalid=True))
+                return
             except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                 outputs.append(RequestOutput(request.request_id, [], "error", f"{type(exc).__name__}: {exc}"))
                 return
@@ -142,8 +147,8 @@ class EngineLoop:
     # -- stepping ---------------------------------------------------------------------------------
     def _forget(self, request_id: str) -> None:
         self.tracked.pop(request_id, None)
-        # NOTE: Engine.run drops per-request generators at its end; a server never ends, so drop them here.
-        self.engine._generators.pop(request_id, None)
+        # NOTE: Engine.run releases per-request state at its end; a server never ends, so release it here.
+        self.engine.release_request_state(request_id)
 
     def _step(self, outputs: list[RequestOutput]) -> None:
         try:

@@ -46,6 +46,7 @@ class Session:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    is_invalid: bool = False            # the engine refused the request: raise_if_failed gives a 400
     is_closed: bool = False
 
     @property
@@ -75,7 +76,7 @@ class Session:
             self.token_times.extend([now] * len(output.new_token_ids))
         text = self.detokenizer.add(output.new_token_ids, is_final=output.is_finished)
         if output.is_finished:
-            self.finish_reason, self.error = output.finish_reason, output.error
+            self.finish_reason, self.error, self.is_invalid = output.finish_reason, output.error, output.is_invalid
         elif self.detokenizer.is_stopped:
             self.finish_reason = "stop_string"  # NOTE: the engine still runs it; close() aborts it
         return text
@@ -92,6 +93,8 @@ class Session:
         return None
 
     def raise_if_failed(self) -> None:
+        if self.finish_reason == "error" and self.is_invalid:
+            raise APIError(400, self.error or "invalid request", code="invalid_request")
         if self.finish_reason == "error":
             raise APIError(500, f"generation failed: {self.error}", type="server_error", code="engine_error")
 
