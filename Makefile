@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(NO_DEPS_PACKAGES)
 	touch $(STAMP)
 
+# The main job: the speculation crossover sweep (AR vs n-gram vs EAGLE vs DFlash, concurrency 1..32, MT-Bench
+# and GSM8K), then its analysis (outputs/multirun/<day>/crossover_<time>/crossover/). ARGS add overrides.
 run: setup
-	$(BIN)/python -m lab.run $(ARGS)
+	$(BIN)/python -m lab.run -m +experiment=crossover $(ARGS)
 
 # NOTE: `slow` tests (long real-model runs) are left to `make test-all`; `gpu` tests skip without CUDA.
 test: setup

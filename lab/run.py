@@ -24,6 +24,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
 from lab.engines.base import Engine, RunResult
 from lab.metrics.summary import summarize
 from lab.errors import LabError

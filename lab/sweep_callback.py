@@ -1,4 +1,5 @@
-"""PlotsCallback: a Hydra callback that draws a sweep's plots (experiments/plots.py) when a multirun ends.
+"""PlotsCallback: a Hydra callback that draws a sweep's plots (experiments/plots.py) when a multirun ends;
+AnalysisCallback runs an experiment's own analysis script (its `main([sweep_dir])`) the same way.
 
     hydra:
       callbacks:
@@ -25,14 +26,16 @@ import lab
 SCRIPT = Path("experiments") / "plots.py"
 
 
-def load_plots_module(script: str | Path | None = None) -> ModuleType:
-    """experiments/plots.py as a module: `script` if given, else next to the lab package, else under the cwd."""
+def load_plots_module(script: str | Path | None = None, module_name: str = "lab_sweep_plots") -> ModuleType:
+    """experiments/plots.py (or `script`) as a module: next to the lab package, else under the cwd."""
     # NOTE: experiments/ is not an installed package, so it is loaded from its file.
-    candidates = [Path(script)] if script else [Path(lab.__file__).resolve().parents[1] / SCRIPT, Path.cwd() / SCRIPT]
+    relative = Path(script) if script else SCRIPT
+    candidates = [relative] if relative.is_absolute() else [Path(lab.__file__).resolve().parents[1] / relative,
+                                                             Path.cwd() / relative]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise FileNotFoundError(f"no plotting script at {', '.join(map(str, candidates))}")
-    spec = importlib.util.spec_from_file_location("lab_sweep_plots", path)
+        raise FileNotFoundError(f"no analysis script at {', '.join(map(str, candidates))}")
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # NOTE: dataclasses look their module up in sys.modules
     spec.loader.exec_module(module)
@@ -53,3 +56,17 @@ class PlotsCallback(Callback):
             print(f"warning: sweep plots for {sweep_dir} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return
         print(plots.report(result))
+
+
+class AnalysisCallback(Callback):
+    """Runs `script`'s main([sweep_dir]) after the multirun; a failure is reported, never raised."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            load_plots_module(self.script, f"lab_analysis_{Path(self.script).stem}").main([str(sweep_dir)])
+        except Exception as exc:  # noqa: BLE001 - the sweep's results are already on disk
+            print(f"warning: analysis {self.script} of {sweep_dir} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

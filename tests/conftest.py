@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
+import lab.resolvers  # noqa: F401 - the configs' ${max:...}
 from lab.models.sources import ModelSource, smollm2, tiny
 from lab.runner import ModelRunner
 

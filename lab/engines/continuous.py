@@ -16,6 +16,8 @@ token counts would be a guess).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lab.engines.base import Engine
@@ -24,6 +26,17 @@ from lab.profiling.ranges import profile_range
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's flat batch: every scheduled request's tokens back to back."""
+
+    input_ids: torch.Tensor                       # (1, N)
+    positions: torch.Tensor                       # (1, N)
+    sample_rows: torch.Tensor                     # (R',) rows whose logits are sampled / verified
+    samplers: list[Request]                       # the requests those rows belong to, in order
+    layout: list[tuple[Request, int, int]]        # (request, first position, token count), in row order
 
 
 class ContinuousBatchingEngine(Engine):
@@ -89,33 +102,37 @@ class ContinuousBatchingEngine(Engine):
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
         with profile_range("prepare_inputs"):
-            input_ids, positions, sample_rows, samplers = self._prepare_inputs(out)
-        with self.phases.phase(_phase_name(out), num_tokens=input_ids.shape[1]):
-            logits = self.runner.execute(input_ids, positions, self.kv_cache, logits_index=sample_rows)[0]  # (R', V)
+            batch = self._prepare_inputs(out)
+        with self.phases.phase(_phase_name(out), num_tokens=batch.input_ids.shape[1]):
+            logits = self.forward(batch)                                                      # (R', V)
             with profile_range("sample"):
-                return self.select_tokens(out, samplers, logits) if samplers else {}
+                return self.select_tokens(out, batch.samplers, logits) if batch.samplers else {}
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Request]]:
-        """(input_ids (1, N), positions (1, N), rows to sample (R',), sampling requests); builds the step's
-        KV index (block tables, slot mapping) in the cache."""
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """The target forward over the step's flat batch -> logits (R', V) at the rows to sample."""
+        return self.runner.execute(batch.input_ids, batch.positions, self.kv_cache, logits_index=batch.sample_rows)[0]
+
+    def _prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
+        """The step's flat batch; builds its KV index (block tables, slot mapping) in the cache."""
         counts = out.num_scheduled_tokens
         # NOTE: single-token queries first, longest context first: the attention backend batches them
         # and cuts them into groups of similar length.
         order = sorted(out.scheduled, key=lambda r: (counts[r.request_id] != 1,
                                                      -r.num_computed_tokens if counts[r.request_id] == 1 else 0))
-        seqs, token_ids, sample_rows, samplers = [], [], [], []
+        seqs, token_ids, sample_rows, samplers, layout = [], [], [], [], []
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]
             spec = out.scheduled_spec_token_ids.get(request.request_id, [])
             seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num))
+            layout.append((request, start, num))
             token_ids.extend(_token_slice(request, start, num - len(spec)) + spec)
             if out.samples(request):
                 sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
                 samplers.append(request)
         self.kv_cache.begin_step(seqs)
-        input_ids = torch.tensor(token_ids, dtype=torch.long)[None]                          # (1, N)
-        positions = self.kv_cache.index.positions[None]                                      # (1, N)
-        return input_ids, positions, torch.tensor(sample_rows, dtype=torch.long), samplers
+        return StepBatch(input_ids=torch.tensor(token_ids, dtype=torch.long)[None],
+                         positions=self.kv_cache.index.positions[None],
+                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), samplers=samplers, layout=layout)
 
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
                       logits: torch.Tensor) -> dict[str, int | list[int]]:

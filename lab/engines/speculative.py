@@ -9,11 +9,13 @@ draft phase to `step`. `num_spec_tokens=0` is the plain engine. Metrics follow v
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from lab.engines.continuous import ContinuousBatchingEngine
+from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
 from lab.errors import LabError
-from lab.kv_cache import KVCacheConfig
+from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.sample.rejection import RejectionSampler
@@ -25,8 +27,13 @@ class SpeculativeEngine(ContinuousBatchingEngine):
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False) -> None:
-        super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
         self._configs = (proposer, scheduler, kv_cache)
+        kv_cache = kv_cache or PagedKVCacheConfig()
+        if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
+            # NOTE: a prompt block served from the prefix cache is never run through the target, so its
+            # features would be missing; feature-reading drafters (EAGLE, DFlash) need every position.
+            kv_cache = dataclasses.replace(kv_cache, enable_prefix_caching=False)
+        super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
@@ -50,6 +57,15 @@ class SpeculativeEngine(ContinuousBatchingEngine):
     def reset_stats(self) -> None:
         super().reset_stats()
         self._reset_spec_counters()
+
+    # -- the target forward: also hands its features to drafters that read them ---------------------
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if not self.proposer.feature_layers or not self.num_spec_tokens:
+            return super().forward(batch)
+        logits, features = self.runner.execute_with_features(batch.input_ids, batch.positions, self.kv_cache,
+                                                             batch.sample_rows, self.proposer.feature_layers)
+        self.proposer.observe(batch.layout, features[0])                                 # (N, F)
+        return logits[0]
 
     # -- verify (the hook) ---------------------------------------------------------------------------
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],

@@ -107,6 +107,19 @@ class DecoderModel(nn.Module):
             x = layer(x, cos, sin, cache)
         return self.norm(x)
 
+    def forward_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                              feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, plus the residual stream after each of `feature_layers` (pre-norm), concatenated:
+        (hidden (B, T, H), features (B, T, len(feature_layers) * H)). EAGLE and DFlash drafters read these."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache)
+            if i in feature_layers:
+                captured[i] = x
+        return self.norm(x), torch.cat([captured[i] for i in feature_layers], dim=-1)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)            # (..., V)
 

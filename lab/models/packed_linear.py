@@ -40,8 +40,10 @@ class PackedLinear(nn.Linear):
         return self.weight.data_ptr(), self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: a weight replaced or changed in place after packing makes the copy stale: fall back.
-        if x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key:
+        # NOTE: a weight replaced or changed in place after packing makes the copy stale: fall back. oneDNN's
+        # op has no autograd kernel, so anything that backpropagates (drafter training) takes F.linear too.
+        if (x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -78,6 +78,17 @@ class ModelRunner:
             hidden = hidden[:, logits_index]                                               # (B, H)
         return self.model.compute_logits(hidden).float()
 
+    @torch.inference_mode()
+    def execute_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                              logits_index: torch.Tensor, feature_layers: tuple[int, ...]
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """execute, plus the target features every position produced: (logits (B, R, V), features
+        (B, T, len(feature_layers) * H)); layer indices may be negative (-1 = the last layer)."""
+        layers = tuple(i % self.config.num_layers for i in feature_layers)
+        hidden, features = self.model.forward_with_features(input_ids.to(self.device), positions.to(self.device),
+                                                            cache, layers)
+        return self.model.compute_logits(hidden[:, logits_index]).float(), features
+
     def hf_model(self) -> torch.nn.Module:
         """HF transformers' model with the same weights, dtype and device (built once)."""
         if self._hf_model is None:

@@ -17,54 +17,26 @@ import torch
 
 from lab.errors import LabError
 from lab.kv_cache.block_kv import SeqSlice
-from lab.kv_cache.paged import PagedKVCacheManager
-from lab.request import Request, SamplingParams
+from lab.request import Request
 from lab.runner import ModelRunner
-from lab.sample.rejection import target_probs
-from lab.spec.proposer import Draft
-
-
-@dataclass(slots=True)
-class _DraftState:
-    shadow: Request             # the draft's view: num_computed_tokens = its valid KV prefix
-    stored_token_ids: list[int]  # the tokens whose KV the draft holds, in position order
+from lab.spec.draft_kv import DraftKV
+from lab.spec.proposer import Draft, pick_draft_tokens
 
 
 class DraftModelProposer:
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, draft: ModelRunner, num_blocks: int, block_size: int) -> None:
         self.runner = draft
-        self.kv_manager = PagedKVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.kv_cache = draft.allocate_block_kv_cache(num_blocks, block_size)
-        self.states: dict[str, _DraftState] = {}
+        self.kv = DraftKV(draft.allocate_block_kv_cache(num_blocks, block_size), num_blocks, block_size)
+        self.kv_cache = self.kv.cache
         self.num_forwards = 0
-        self.num_skipped = 0   # requests left undrafted because the draft's KV pool was full
 
     def free(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            self.kv_manager.free(state.shadow)
+        self.kv.free(request_id)
 
     def stats(self) -> dict[str, float]:
-        return {"spec/draft_forwards": self.num_forwards, "spec/draft_skipped_requests": self.num_skipped}
-
-    def _catch_up(self, request: Request, num_spec_tokens: int) -> SeqSlice | None:
-        """Reserve draft KV for context + k - 1 drafts; the slice feeds the tokens the draft has not seen."""
-        context = request.all_token_ids
-        state = self.states.get(request.request_id)
-        if state is None:
-            shadow = Request(request.request_id, [], SamplingParams(max_tokens=1))
-            state = self.states[request.request_id] = _DraftState(shadow, [])
-        valid = 0
-        limit = min(state.shadow.num_computed_tokens, len(context) - 1)   # the last token is always fed
-        while valid < limit and state.stored_token_ids[valid] == context[valid]:
-            valid += 1
-        state.shadow.num_computed_tokens = valid
-        needed = len(context) + num_spec_tokens - 1 - valid
-        if not self.kv_manager.allocate_slots(state.shadow, needed):
-            self.num_skipped += 1
-            return None
-        state.stored_token_ids = list(context)
-        return SeqSlice(self.kv_manager.block_table(request.request_id), valid, len(context) - valid)
+        return {"spec/draft_forwards": self.num_forwards, "spec/draft_skipped_requests": self.kv.num_skipped}
 
     def _forward(self, seqs: list[SeqSlice], token_ids: list[int]) -> torch.Tensor:
         """One flat-batch forward; logits (R, V) at each slice's last token."""
@@ -79,27 +51,13 @@ class DraftModelProposer:
         return self.runner.execute(input_ids, positions, self.kv_cache,
                                    logits_index=torch.tensor(rows, dtype=torch.long))[0]  # (R, V)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: list[SamplingParams],
-              generators: list[torch.Generator | None]) -> tuple[list[int], list[torch.Tensor | None]]:
-        tokens, probs = [], []
-        for row, p, generator in zip(logits, params, generators):
-            if p.is_greedy:
-                tokens.append(int(row.argmax()))
-                probs.append(None)
-            else:
-                q = target_probs(row[None], p)[0]                                        # (V,)
-                tokens.append(int(torch.multinomial(q, 1, generator=generator)))
-                probs.append(q)
-        return tokens, probs
-
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
         if num_spec_tokens < 1 or not requests:
             return {}
         active, seqs, token_ids = [], [], []
         for request, generator in zip(requests, generators):
-            seq = self._catch_up(request, num_spec_tokens)
+            seq = self.kv.catch_up(request.request_id, request.all_token_ids, num_spec_tokens - 1)
             if seq is not None:
                 active.append((request, generator))
                 seqs.append(seq)
@@ -108,20 +66,19 @@ class DraftModelProposer:
             return {}
         params = [r.sampling_params for r, _ in active]
         gens = [g for _, g in active]
-        drafted, probs = self._pick(self._forward(seqs, token_ids), params, gens)
+        drafted, probs = pick_draft_tokens(self._forward(seqs, token_ids), params, gens)
         tokens = [[t] for t in drafted]
         dists = [[q] for q in probs]
         for i in range(1, num_spec_tokens):
             step = [SeqSlice(s.block_table, s.num_context_tokens + s.num_query_tokens + i - 1, 1) for s in seqs]
-            drafted, probs = self._pick(self._forward(step, [t[-1] for t in tokens]), params, gens)
+            drafted, probs = pick_draft_tokens(self._forward(step, [t[-1] for t in tokens]), params, gens)
             for row, (token, q) in enumerate(zip(drafted, probs)):
                 tokens[row].append(token)
                 dists[row].append(q)
         out = {}
-        for (request, _), row_tokens, row_dists, seq in zip(active, tokens, dists, seqs):
-            state = self.states[request.request_id]
-            state.shadow.num_computed_tokens = seq.num_context_tokens + seq.num_query_tokens + num_spec_tokens - 1
-            state.stored_token_ids += row_tokens[:-1]
+        for (request, _), row_tokens, row_dists in zip(active, tokens, dists):
+            # NOTE: the KV of drafts 1..k-1 was written; it stays valid while the target accepts them.
+            self.kv.commit(request.request_id, request.all_token_ids + row_tokens[:-1])
             q = None if row_dists[0] is None else torch.stack(row_dists)                 # (k, V)
             out[request.request_id] = Draft(row_tokens, q)
         return out

@@ -14,6 +14,8 @@ from lab.spec.proposer import Draft
 class NgramDraftProposer:
     """NgramProposer behind the Proposer interface (deterministic: no distributions)."""
 
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.lookup = NgramProposer(min_n, max_n)
 

@@ -12,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from lab.request import Request
+from lab.request import Request, SamplingParams
+from lab.sample.rejection import target_probs
 
 
 @dataclass(slots=True)
@@ -22,6 +23,10 @@ class Draft:
 
 
 class Proposer(Protocol):
+    # NOTE: target layers whose outputs the proposer reads (EAGLE, DFlash); () for the others. When set,
+    # the engine captures them in every target forward and calls `observe(layout, features)`.
+    feature_layers: tuple[int, ...]
+
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
         """Drafts continuing each request's `all_token_ids` (requests may get fewer or no tokens)."""
@@ -33,6 +38,21 @@ class Proposer(Protocol):
 
     def stats(self) -> dict[str, float]:
         ...
+
+
+def pick_draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                      ) -> tuple[list[int], list[torch.Tensor | None]]:
+    """logits (R, V), one row per request -> (a token per row, its q distribution or None when greedy)."""
+    tokens, probs = [], []
+    for row, p, generator in zip(logits, params, generators):
+        if p.is_greedy:
+            tokens.append(int(row.argmax()))
+            probs.append(None)
+        else:
+            q = target_probs(row[None], p)[0]                                        # (V,)
+            tokens.append(int(torch.multinomial(q, 1, generator=generator)))
+            probs.append(q)
+    return tokens, probs
 
 
 class ProposerConfig(Protocol):

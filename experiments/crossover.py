@@ -1,0 +1,169 @@
+"""The speculation crossover (conf/experiment/crossover*.yaml): speedup over AR vs concurrency (or prompt
+length) per method and dataset, and where each method's speedup falls below 1.0.
+
+    python experiments/crossover.py outputs/multirun/<day>/crossover_<time> [more sweep dirs] [--out DIR]
+
+Writes <out>/crossover.json (rows + crossover points), <out>/crossover.png, and prints a markdown table.
+Every job ran its own AR baseline first (engine.measure_speedup), so each speedup is a ratio measured in
+one process. Owns: reading results.json, finding crossovers, drawing. Ignores: measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
+
+METHODS = {"speculative": "vanilla (n-gram)", "eagle": "EAGLE", "dflash": "DFlash"}
+COLUMNS = {"workload": "dataset", "method": "method", "concurrency": "conc.", "prompt_len": "mean prompt",
+           "baseline_tpot_ms": "AR TPOT (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",
+           "speedup_e2e": "speedup e2e", "acceptance_length": "tau", "tokens_per_forward": "tok/fwd",
+           "draft_share": "draft share", "same_output": "same output"}
+
+
+def job_row(results: dict[str, Any]) -> dict[str, Any]:
+    config = results.get("config", {})
+    engine = config.get("engine", {})
+    name = engine.get("name", "?")
+    completed = max(1, results.get("completed", 0))
+    draft_s, verify_s = results.get("spec/draft_s", 0.0), results.get("spec/verify_s", 0.0)
+    return {
+        "workload": results.get("workload", "?"), "method": METHODS.get(name, name),
+        "concurrency": int(results.get("max_concurrency") or config.get("concurrency") or 1),
+        "min_prompt_len": config.get("workload", {}).get("min_prompt_len"),
+        "prompt_len": results.get("total_input_tokens", 0) / completed,
+        "k": int(results.get("spec/num_spec_tokens", engine.get("num_spec_tokens", 0))),
+        "baseline_tpot_ms": results.get("baseline/mean_tpot_ms", math.nan), "tpot_ms": results.get("mean_tpot_ms", math.nan),
+        "speedup_tpot": results.get("spec/speedup_tpot", math.nan), "speedup_e2e": results.get("spec/speedup_e2e", math.nan),
+        "acceptance_length": results.get("spec_decode_acceptance_length", math.nan),
+        "tokens_per_forward": results.get("spec/tokens_per_target_forward", math.nan),
+        "draft_share": draft_s / (draft_s + verify_s) if draft_s + verify_s else math.nan,
+        "same_output": results.get("spec/same_output_as_baseline"),
+    }
+
+
+def load_rows(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Path]]:
+    rows, skipped = [], []
+    for sweep_dir in sweep_dirs:
+        job_dirs = {p.parent for name in ("results.json", "error.json") for p in Path(sweep_dir).rglob(name)}
+        for path in sorted(job_dirs):
+            results_file = path / "results.json"
+            results = json.loads(results_file.read_text()) if results_file.is_file() else {}
+            if (path / "error.json").exists() or not results or results.get("failed_job"):
+                skipped.append(path)
+                continue
+            rows.append(job_row(results))
+    rows.sort(key=lambda r: (r["workload"], r["method"], r["concurrency"], r["prompt_len"]))
+    return rows, skipped
+
+
+def axis_of(rows: list[dict[str, Any]]) -> str:
+    """'prompt_len' when the sweep varied the prompt-length filter, else 'concurrency'."""
+    return "prompt_len" if len({r["min_prompt_len"] for r in rows}) > 1 else "concurrency"
+
+
+def crossover_point(xs: list[float], speedups: list[float], log_x: bool = True) -> dict[str, Any]:
+    """Where speedup first falls below 1.0 along increasing x: interpolated (log2 x) between the last point
+    at or above 1 and the first below; 'never helps' / 'always helps' when it does not cross."""
+    points = sorted((x, s) for x, s in zip(xs, speedups) if not math.isnan(s))
+    if not points:
+        return {"crossover": None, "status": "no data"}
+    if points[0][1] < 1.0:
+        return {"crossover": None, "status": f"below 1.0 already at {points[0][0]:g}"}
+    for (x0, s0), (x1, s1) in zip(points, points[1:]):
+        if s1 < 1.0:
+            t0, t1 = (math.log2(x0), math.log2(x1)) if log_x else (x0, x1)
+            at = t0 + (s0 - 1.0) / (s0 - s1) * (t1 - t0)
+            return {"crossover": float(2 ** at if log_x else at), "status": f"crosses between {x0:g} and {x1:g}"}
+    return {"crossover": None, "status": f"still above 1.0 at {points[-1][0]:g}"}
+
+
+def series(rows: list[dict[str, Any]], axis: str) -> dict[tuple, list[dict[str, Any]]]:
+    """Rows grouped into lines: (dataset, method) or, on the prompt-length axis, (dataset, method, concurrency)."""
+    out: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["workload"], row["method"]) + ((row["concurrency"],) if axis == "prompt_len" else ())
+        out.setdefault(key, []).append(row)
+    for line in out.values():
+        line.sort(key=lambda r: r[axis])
+    return out
+
+
+def crossovers(rows: list[dict[str, Any]], axis: str) -> list[dict[str, Any]]:
+    result = []
+    for key, line in series(rows, axis).items():
+        point = crossover_point([r[axis] for r in line], [r["speedup_tpot"] for r in line], log_x=axis == "concurrency")
+        result.append({"workload": key[0], "method": key[1], **({"concurrency": key[2]} if len(key) > 2 else {}),
+                       "axis": axis, **point,
+                       "best_speedup_tpot": max((r["speedup_tpot"] for r in line), default=math.nan)})
+    return result
+
+
+def plot(rows: list[dict[str, Any]], axis: str, out: Path) -> Path:
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        for key, line in series([r for r in rows if r["workload"] == workload], axis).items():
+            label = key[1] + (f", concurrency {key[2]}" if len(key) > 2 else "")
+            ax.plot([r[axis] for r in line], [r["speedup_tpot"] for r in line], marker="o", label=label)
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--", label="AR (no speculation)")
+        if axis == "concurrency":
+            ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrency (requests in flight)" if axis == "concurrency" else "mean prompt length (tokens)",
+               ylabel="TPOT speedup over AR (same job)", title=f"{workload}: where speculation stops helping")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "crossover.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(row.get(key, "")) for key in COLUMNS) + " |" for row in rows]
+    lines += ["", "| dataset | method | crossover (speedup < 1.0) | best TPOT speedup |", "|---|---|---|---|"]
+    for p in points:
+        where = f"{p['crossover']:.3g} ({p['status']})" if p["crossover"] else p["status"]
+        method = p["method"] + (f", concurrency {p['concurrency']}" if "concurrency" in p else "")
+        lines.append(f"| {p['workload']} | {method} | {where} | {cell(p['best_speedup_tpot'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="default: <first sweep dir>/crossover")
+    args = parser.parse_args(argv)
+    rows, skipped = load_rows(args.sweep_dirs)
+    for path in skipped:
+        print(f"skipped {path} (failed or no results)")
+    if not rows:
+        print(f"no finished jobs in {', '.join(map(str, args.sweep_dirs))}")
+        return 1
+    axis = axis_of(rows)
+    points = crossovers(rows, axis)
+    out = args.out or args.sweep_dirs[0] / "crossover"
+    out.mkdir(parents=True, exist_ok=True)
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
+    (out / "crossover.json").write_text(json.dumps({"axis": axis, "crossovers": points, "rows": clean}, indent=2,
+                                                   default=lambda v: None if isinstance(v, float) and np.isnan(v) else v))
+    print(f"wrote {plot(rows, axis, out)} and {out / 'crossover.json'}")
+    print(markdown_table(rows, points))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""DFlashDrafter: a block-diffusion drafter. The input block is the last accepted token followed by
+B-1 mask embeddings; a few decoder layers, non-causal inside the block, predict all B-1 masked tokens
+in one forward. Every layer also attends to the target's context: the hidden states of several target
+layers, concatenated, projected and normalised ("KV injection": the context enters each layer only as
+keys and values). The target's frozen embedding, final norm and LM head are passed in, never stored.
+
+Owns: the weights, the context K/V projection and the block forward (one code path for training, with
+many blocks per sequence, and for drafting, one block per request). Ignores: which context is valid
+(lab/spec/dflash.py) and training data (lab/training/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lab.models.config import DecoderConfig
+from lab.models.decoder import MLP, RMSNorm
+from lab.models.rope import RotaryEmbedding, apply_rope
+
+
+def spaced_layers(num_target_layers: int, count: int) -> list[int]:
+    """`count` target layers from shallow to the last, evenly spaced (30 layers, 5 -> 1, 8, 15, 22, 29)."""
+    if num_target_layers <= 2 or count == 1:
+        return list(range(num_target_layers))[-count:]
+    step = (num_target_layers - 2) / (count - 1)
+    return sorted({1 + round(j * step) for j in range(count)})
+
+
+@dataclass(slots=True)
+class DFlashConfig:
+    block_size: int = 16                   # B: the last accepted token + B - 1 drafted positions
+    num_layers: int = 1
+    feature_layers: list[int] = field(default_factory=list)   # target layers read; [] -> 5 evenly spaced
+    intermediate_size: int | None = None   # MLP width; None: the target's
+
+    def resolved(self, num_target_layers: int) -> "DFlashConfig":
+        layers = self.feature_layers or spaced_layers(num_target_layers, 5)
+        return replace(self, feature_layers=[i % num_target_layers for i in layers])
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def _split(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv (S, T, (Hq + 2 Hkv) D) -> roped q (S, Hq, T, D), roped k and v (S, Hkv, T, D)."""
+        s, t, _ = qkv.shape
+        qk = qkv[..., :self.q_size + self.kv_size].view(s, t, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)
+        v = qkv[..., self.q_size + self.kv_size:].view(s, t, self.num_kv_heads, self.head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def context_kv(self, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """context (S, C, H), already projected and normalised -> this layer's k, v (S, Hkv, C, D)."""
+        s, c, _ = context.shape
+        kv = F.linear(context, self.qkv_proj.weight[self.q_size:])                 # (S, C, 2 Hkv D)
+        k, v = kv.view(s, c, 2 * self.num_kv_heads, self.head_dim).split(self.num_kv_heads, dim=2)
+        return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
+                context_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (S, Q, H) block tokens; context k/v (S, Hkv, C, D); mask (S, 1, Q, C + Q), True = may attend."""
+        s, num_queries, _ = x.shape
+        q, k, v = self._split(self.qkv_proj(self.input_layernorm(x)), cos, sin)
+        k, v = torch.cat((context_k, k), dim=2), torch.cat((context_v, v), dim=2)   # (S, Hkv, C + Q, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(s, num_queries, self.q_size))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    kind = "dflash"
+
+    def __init__(self, target_config: DecoderConfig, config: DFlashConfig, hf_config: object | None = None) -> None:
+        super().__init__()
+        if config.block_size < 2:
+            raise ValueError(f"DFlash block_size must be >= 2, got {config.block_size}")
+        self.config = config.resolved(target_config.num_layers)
+        hidden = target_config.hidden_size
+        layer_config = replace(target_config, num_layers=self.config.num_layers,
+                               intermediate_size=config.intermediate_size or target_config.intermediate_size)
+        self.fc = nn.Linear(len(self.config.feature_layers) * hidden, hidden, bias=False)
+        self.context_norm = RMSNorm(hidden, target_config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(self.config.num_layers))
+        self.rotary = RotaryEmbedding(layer_config, hf_config)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.feature_layers)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Target features (S, C, L*H) at positions (S, C) -> per drafter layer (k, v), each (S, Hkv, C, D)."""
+        context = self.context_norm(self.fc(features))                             # (S, C, H)
+        cos, sin = self.rotary(positions)
+        return [layer.context_kv(context, cos, sin) for layer in self.layers]
+
+    def block_inputs(self, first_embeds: torch.Tensor, num_blocks_per_seq: int) -> torch.Tensor:
+        """first_embeds (S, M, H): each block's first (known) token -> block inputs (S, M * B, H)."""
+        s, m, h = first_embeds.shape
+        masks = self.mask_embedding.to(first_embeds.dtype).expand(s, m, self.block_size - 1, h)
+        return torch.cat((first_embeds[:, :, None], masks), dim=2).reshape(s, m * self.block_size, h)
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """block_embeds (S, Q, H), block_positions (S, Q), context_kv from `context_kv`, mask (S, 1, Q, C + Q)
+        -> hidden (S, Q, H); the target's norm + LM head turn it into logits."""
+        cos, sin = self.rotary(block_positions)
+        x = block_embeds
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return x
+
+
+def block_mask(context_lens: torch.Tensor, anchors: torch.Tensor, num_context: int, block_size: int) -> torch.Tensor:
+    """Attention mask for blocks at `anchors` (S, M): block m's queries see context positions < anchors[s, m]
+    (and < context_lens[s]) and every position of their own block. -> (S, 1, M * B, C + M * B) bool."""
+    s, m = anchors.shape
+    context_pos = torch.arange(num_context, device=anchors.device)
+    sees_context = (context_pos[None, None] < anchors[..., None]) & (context_pos[None, None] < context_lens[:, None, None])
+    sees_context = sees_context.repeat_interleave(block_size, dim=1)             # (S, M*B, C)
+    block_id = torch.arange(m, device=anchors.device).repeat_interleave(block_size)
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(s, -1, -1)      # (S, M*B, M*B)
+    return torch.cat((sees_context, sees_block), dim=2)[:, None]

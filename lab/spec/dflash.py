@@ -1,0 +1,125 @@
+"""DFlashProposer (engine=dflash, proposer=dflash): block-diffusion drafting. One drafter forward per step
+proposes all B-1 tokens of every request's block in parallel: the block is the last token followed by
+B-1 mask embeddings; every drafter layer attends to the request's context as keys/values projected from
+the target's features (cached per request and extended with the features of newly accepted tokens).
+
+Owns: the per-request context K/V cache. Its entries are only ever computed from positions below the
+request's num_computed_tokens, whose tokens are final, so rejections need no rollback here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.drafters.dflash import DFlashConfig, DFlashDrafter
+from lab.errors import LabError
+from lab.request import Request
+from lab.runner import ModelRunner
+from lab.spec.feature_proposer import FeatureProposer, build_drafter
+from lab.spec.proposer import Draft, pick_draft_tokens
+
+
+class _ContextKV:
+    """One request's context keys and values for every drafter layer: (layers, 2, Hkv, capacity, D)."""
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, kv: torch.Tensor) -> None:
+        """kv (layers, 2, Hkv, num, D) of the next positions."""
+        end = self.length + kv.shape[3]
+        if self.data is None or self.data.shape[3] < end:
+            grown = kv.new_empty(*kv.shape[:3], max(end, 2 * self.length, 64), kv.shape[4])
+            if self.data is not None:
+                grown[:, :, :, :self.length] = self.data[:, :, :, :self.length]
+            self.data = grown
+        self.data[:, :, :, self.length:end] = kv
+        self.length = end
+
+
+class DFlashProposer(FeatureProposer):
+    def __init__(self, target: ModelRunner, drafter: DFlashDrafter) -> None:
+        super().__init__(target, drafter)
+        self.block_size = drafter.block_size
+        self.contexts: dict[str, _ContextKV] = {}
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.contexts.pop(request_id, None)
+
+    def _extend_contexts(self, requests: list[Request]) -> list[_ContextKV]:
+        """Project the features of every request's not-yet-cached context positions, in one batch."""
+        contexts, chunks, positions, spans = [], [], [], []
+        for request in requests:
+            context = self.contexts.setdefault(request.request_id, _ContextKV())
+            contexts.append(context)
+            end = request.num_tokens - 1     # features exist for every token but the last
+            if end > context.length:
+                chunks.append(self.store.read(request.request_id, context.length, end))
+                positions.append(torch.arange(context.length, end, device=self.device))
+                spans.append((context, end - context.length))
+        if chunks:
+            kv = self.drafter.context_kv(torch.cat(chunks)[None], torch.cat(positions)[None])  # per layer (1, Hkv, N, D)
+            stacked = torch.stack([torch.stack((k[0], v[0])) for k, v in kv])                 # (layers, 2, Hkv, N, D)
+            offset = 0
+            for context, num in spans:
+                context.append(stacked[:, :, :, offset:offset + num])
+                offset += num
+        return contexts
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_spec_tokens: int,
+                generators: list[torch.Generator | None]) -> dict[str, Draft]:
+        k = min(num_spec_tokens, self.block_size - 1)
+        pairs = [(r, g) for r, g in zip(requests, generators) if self.ready(r)]
+        if k < 1 or not pairs:
+            return {}
+        active = [r for r, _ in pairs]
+        contexts = self._extend_contexts(active)
+        num_seqs, block, longest = len(active), self.block_size, max(c.length for c in contexts)
+        layers, _, num_kv_heads, _, head_dim = contexts[0].data.shape
+        padded = contexts[0].data.new_zeros(layers, 2, num_seqs, num_kv_heads, longest, head_dim)
+        sees = torch.zeros(num_seqs, 1, block, longest + block, dtype=torch.bool, device=self.device)
+        sees[..., longest:] = True
+        for row, context in enumerate(contexts):
+            padded[:, :, row, :, :context.length] = context.data[:, :, :, :context.length]
+            sees[row, :, :, :context.length] = True
+        last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], 1)          # (S, B, H)
+        positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
+                     + torch.arange(block, device=self.device))                                # (S, B)
+        hidden = self.drafter(embeds, positions, [(padded[i, 0], padded[i, 1]) for i in range(layers)], sees)
+        logits = self.logits(hidden[:, 1:k + 1])                                                # (S, k, V)
+        self.num_forwards += 1
+        out = {}
+        for row, (request, generator) in enumerate(pairs):
+            tokens, probs = pick_draft_tokens(logits[row], [request.sampling_params] * k, [generator] * k)
+            out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))
+        return out
+
+
+@dataclass(slots=True)
+class DFlashProposerConfig:
+    """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
+    built from `drafter` (block size, layers, target layers read)."""
+
+    checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
+    seed: int = 0
+    drafter: dict = field(default_factory=dict)
+    needs_target_features: bool = True
+
+    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
+        fresh = None
+        if self.checkpoint is None:
+            try:
+                config = DFlashConfig(**dict(self.drafter))
+            except TypeError as exc:
+                raise LabError(f"engine.proposer.drafter has an unknown key ({exc})",
+                               "use block_size, num_layers, feature_layers, intermediate_size") from exc
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                fresh = DFlashDrafter(target.config, config, target.source.hf_config)
+        return DFlashProposer(target, build_drafter("dflash", target, self.checkpoint, fresh))

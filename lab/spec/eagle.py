@@ -1,0 +1,110 @@
+"""EagleProposer (engine=eagle, proposer=eagle): EAGLE-style chain drafting in feature space.
+
+Position i of the draft reads (target feature at i-1, embedding of token i). Each propose: one forward
+catches a request up over the positions whose inputs are now all real (the tokens the target accepted
+since the last draft and the last token), which predicts the feature at the last position and so the
+first draft token; then k-1 single-token forwards feed each predicted feature back. The draft's KV of
+positions with real inputs stays valid (DraftKV keeps the prefix whose tokens still match); the chain's
+positions are recomputed next time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lab.drafters.eagle import EagleConfig, EagleDrafter
+from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
+from lab.request import Request
+from lab.runner import ModelRunner
+from lab.spec.draft_kv import DraftKV
+from lab.spec.feature_proposer import FeatureProposer, build_drafter
+from lab.spec.proposer import Draft, pick_draft_tokens
+
+
+class EagleProposer(FeatureProposer):
+    def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int) -> None:
+        super().__init__(target, drafter)
+        c = target.config
+        cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device)
+        self.kv = DraftKV(cache, num_blocks, block_size)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.kv.free(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), "spec/draft_skipped_requests": self.kv.num_skipped}
+
+    def _forward(self, seqs: list[SeqSlice], token_ids: list[int], prev_features: torch.Tensor) -> torch.Tensor:
+        """One flat batch: tokens (N,) with the features before them (N, H) -> predicted features at each
+        slice's last position (R, H)."""
+        self.kv.cache.begin_step(seqs)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]            # (1, N)
+        positions = self.kv.cache.index.positions[None]                                       # (1, N)
+        hidden = self.drafter(self.target.embed_tokens(ids), prev_features[None], positions, self.kv.cache)
+        last_rows = torch.tensor([s.num_query_tokens for s in seqs], device=self.device).cumsum(0) - 1
+        self.num_forwards += 1
+        return hidden[0, last_rows]                                                           # (R, H)
+
+    def _prev_features(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Target features at positions start-1 .. end-2 (zeros before position 0): (end - start, H)."""
+        rows = self.store.read(request_id, max(0, start - 1), end - 1)
+        if start == 0:
+            rows = torch.cat((rows.new_zeros(1, self.store.dim), rows))
+        return rows
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], num_spec_tokens: int,
+                generators: list[torch.Generator | None]) -> dict[str, Draft]:
+        if num_spec_tokens < 1 or not requests:
+            return {}
+        active, seqs, token_ids, prev = [], [], [], []
+        for request, generator in zip(requests, generators):
+            if not self.ready(request):
+                continue
+            context = request.all_token_ids
+            seq = self.kv.catch_up(request.request_id, context, num_spec_tokens - 1)
+            if seq is None:
+                continue
+            active.append((request, generator))
+            seqs.append(seq)
+            token_ids.extend(context[seq.num_context_tokens:])
+            prev.append(self._prev_features(request.request_id, seq.num_context_tokens, len(context)))
+        if not active:
+            return {}
+        params, gens = [r.sampling_params for r, _ in active], [g for _, g in active]
+        features = self._forward(seqs, token_ids, torch.cat(prev))                             # (R, H)
+        drafted, probs = pick_draft_tokens(self.logits(features), params, gens)
+        tokens, dists = [[t] for t in drafted], [[q] for q in probs]
+        for i in range(1, num_spec_tokens):
+            step = [SeqSlice(s.block_table, s.num_context_tokens + s.num_query_tokens + i - 1, 1) for s in seqs]
+            features = self._forward(step, [t[-1] for t in tokens], features)
+            drafted, probs = pick_draft_tokens(self.logits(features), params, gens)
+            for row, (token, q) in enumerate(zip(drafted, probs)):
+                tokens[row].append(token)
+                dists[row].append(q)
+        out = {}
+        for (request, _), row_tokens, row_dists in zip(active, tokens, dists):
+            # NOTE: only positions fed real target features stay valid; the chain's are recomputed next time.
+            self.kv.commit(request.request_id, request.all_token_ids)
+            out[request.request_id] = Draft(row_tokens, None if row_dists[0] is None else torch.stack(row_dists))
+        return out
+
+
+@dataclass(slots=True)
+class EagleProposerConfig:
+    """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only)."""
+
+    checkpoint: str | None = "checkpoints/smollm2/eagle.pt"
+    seed: int = 0
+    needs_target_features: bool = True
+
+    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
+        fresh = None
+        if self.checkpoint is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
+        return EagleProposer(target, build_drafter("eagle", target, self.checkpoint, fresh), num_blocks, block_size)

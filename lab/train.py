@@ -1,0 +1,57 @@
+"""`lab-train` / `python -m lab.train drafter=<eagle|dflash>`: train a drafter for the configured target.
+
+    lab-train drafter=dflash                      # smollm2, writes checkpoints/smollm2/dflash.pt
+    lab-train drafter=eagle train.steps=300 output=/tmp/eagle.pt
+
+Data (the target's own answers to ShareGPT prompts) and target features are made once and cached under
+$LAB_CACHE/train/<target fingerprint>/. The checkpoint records this exact command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lab.errors import LabError
+from lab.run import CONF_DIR, _unwrap
+from lab.runner import ModelRunner
+from lab.spec.feature_proposer import resolve_checkpoint
+from lab.training.data import DataConfig
+from lab.training.recipe import TrainConfig, train_drafter
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    source = instantiate(cfg.model.source)
+    target = ModelRunner(source, dtype="float32", device=cfg.model.device)
+    options = OmegaConf.to_container(cfg.drafter, resolve=True)
+    kind = options.pop("name")
+    data = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
+    train_cfg = TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    command = "lab-train " + " ".join(shlex.quote(o) for o in overrides)
+    return train_drafter(kind, target, data, train_cfg, options, resolve_checkpoint(cfg.output), command.strip())
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except Exception as raw:  # noqa: BLE001 - one message and exit 2 for bad input
+        exc = _unwrap(raw)
+        if not isinstance(exc, LabError):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

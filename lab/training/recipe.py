@@ -1,0 +1,159 @@
+"""A drafter training run: build the drafter for the target (its layers initialised from the target's
+last layers), load the cached data and features, optimise (AdamW, warm-up + cosine), validate on held-out
+sequences, save the checkpoint with the command that re-creates it.
+
+Owns: the optimisation loop and the train/validation split. Ignores: the objectives (losses.py) and
+where data comes from (data.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lab.drafters.checkpoint import save_drafter, target_fingerprint
+from lab.drafters.dflash import DFlashConfig, DFlashDrafter
+from lab.drafters.eagle import EagleConfig, EagleDrafter
+from lab.errors import LabError
+from lab.models.decoder import DecoderModel
+from lab.models.sources import default_cache_dir
+from lab.runner import ModelRunner
+from lab.training.data import DataConfig, load_training_data
+from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 4
+    lr: float = 5e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    max_seq_len: int = 512
+    val_sequences: int = 12
+    log_every: int = 20
+
+
+def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
+    """Copy the target's last layers into the drafter's layers where shapes agree (a warm start)."""
+    if isinstance(drafter, EagleDrafter):
+        pairs = [(drafter.layer, target.layers[-1])]
+        names = {}
+    else:
+        pairs = list(zip(drafter.layers, list(target.layers)[-len(drafter.layers):]))
+        names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
+    for mine, theirs in pairs:
+        source = theirs.state_dict()
+        state = mine.state_dict()
+        for name, tensor in state.items():
+            value = source.get(names.get(name, name))
+            if value is not None and value.shape == tensor.shape:
+                state[name] = value.detach().clone().float()
+        mine.load_state_dict(state)
+
+
+def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
+    keys = {"eagle": ("feature_layer", "intermediate_size"),
+            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size")}[kind]
+    settings = {k: (list(v) if k == "feature_layers" else v) for k, v in options.items() if k in keys}
+    if kind == "eagle":
+        return EagleDrafter(target.config, EagleConfig(**settings), target.source.hf_config)
+    return DFlashDrafter(target.config, DFlashConfig(**settings), target.source.hf_config)
+
+
+def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: TrainConfig, options: dict[str, Any],
+                  output: Path, command: str, cache_dir: Path | None = None,
+                  log: Callable[[str], None] = print) -> dict[str, float]:
+    if kind not in ("eagle", "dflash"):
+        raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
+    if target.dtype != torch.float32:
+        raise LabError(f"drafter training runs in float32, the target is {target.dtype}", "set model.dtype=float32")
+    torch.manual_seed(train.seed)
+    generator = torch.Generator().manual_seed(train.seed)
+    drafter = build_drafter(kind, target, options).float()
+    init_from_target(drafter, target.model)
+    target_model = target.model.float().eval()
+    for p in target_model.parameters():
+        p.requires_grad_(False)
+    data.feature_layers = tuple(drafter.feature_layers)
+    cache_dir = cache_dir or default_cache_dir() / "train" / target_fingerprint(target_model)
+    sequences, features = load_training_data(target, data, cache_dir, log)
+    if len(sequences) <= train.val_sequences:
+        raise LabError(f"only {len(sequences)} training sequences", "raise data.num_prompts")
+    val = (sequences[:train.val_sequences], features[:train.val_sequences])
+    sequences, features = sequences[train.val_sequences:], features[train.val_sequences:]
+    loss_fn = _objective(kind, options, target_model)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=train.lr,
+                                  weight_decay=train.weight_decay, betas=(0.9, 0.95))
+    log(f"training {kind}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, "
+        f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
+    before = evaluate(drafter, loss_fn, val, train.max_seq_len)
+    log(f"step 0 validation {json.dumps(before)}")
+    start = time.perf_counter()
+    drafter.train()
+    losses: list[float] = []
+    for step in range(train.steps):
+        index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
+        batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len)
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, train.steps, train.warmup_steps, train.lr)
+        loss, metrics = loss_fn(drafter, batch, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % train.log_every == 0 or step == 0:
+            log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
+                f"({time.perf_counter() - start:.0f} s)")
+    after = evaluate(drafter, loss_fn, val, train.max_seq_len)
+    log(f"final validation {json.dumps(after)}")
+    window = max(1, min(10, len(losses) // 4))
+    metrics = {"train_seconds": time.perf_counter() - start, "steps": train.steps,
+               "train/first_loss": sum(losses[:window]) / window, "train/last_loss": sum(losses[-window:]) / window,
+               **{f"val_before/{k}": v for k, v in before.items()}, **{f"val/{k}": v for k, v in after.items()}}
+    save_drafter(output, drafter.eval(), target_model, command, metrics)
+    log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB)")
+    return metrics
+
+
+Objective = Callable[[nn.Module, Batch, torch.Generator], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Objective:
+    if kind == "eagle":
+        return lambda drafter, batch, generator: eagle_loss(
+            drafter, target, batch, options.get("ce_weight", 0.1), options.get("noise", 0.1),
+            options.get("ce_positions", 128), generator)
+    return lambda drafter, batch, generator: dflash_loss(
+        drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator)
+
+
+@torch.no_grad()
+def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max_len: int) -> dict[str, float]:
+    """Mean validation metrics over held-out sequences, batches of 4, the same anchors every time."""
+    drafter.eval()
+    sequences, features = val
+    totals: dict[str, float] = {}
+    batches = 0
+    generator = torch.Generator().manual_seed(1234)
+    for i in range(0, len(sequences), 4):
+        _, metrics = loss_fn(drafter, make_batch(sequences[i:i + 4], features[i:i + 4], max_len), generator)
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+        batches += 1
+    drafter.train()
+    return _round({k: v / batches for k, v in totals.items()})
+
+
+def _round(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in metrics.items()}

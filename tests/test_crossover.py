@@ -1,0 +1,90 @@
+"""experiments/crossover.py on hand-made results: crossover points are interpolated where speedup falls
+below 1.0 (or reported as never / always helping), failed jobs are skipped, crossover.json + PNG + table
+are written, the prompt-length axis is detected; the experiment configs compose."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import compose_cfg
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "crossover.py"
+
+
+@pytest.fixture(scope="module")
+def crossover() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("crossover", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SPEEDUPS = {"speculative": {1: 1.1, 4: 0.9, 16: 0.7}, "eagle": {1: 1.6, 4: 1.2, 16: 0.8},
+            "dflash": {1: 2.0, 4: 1.5, 16: 1.1}}
+
+
+def _write_sweep(root: Path, min_prompt_lens: tuple[int | None, ...] = (None,)) -> Path:
+    num = 0
+    for engine, by_concurrency in SPEEDUPS.items():
+        for concurrency, speedup in by_concurrency.items():
+            for min_len in min_prompt_lens:
+                job = root / str(num)
+                job.mkdir(parents=True)
+                prompt_len = 100.0 if min_len is None else 2.0 * min_len
+                results = {"workload": "mtbench", "max_concurrency": concurrency, "completed": 4,
+                           "total_input_tokens": 4 * prompt_len, "mean_tpot_ms": 20 / speedup,
+                           "baseline/mean_tpot_ms": 20.0, "spec/speedup_tpot": speedup * (1 + (min_len or 0) / 1000),
+                           "spec/speedup_e2e": speedup, "spec_decode_acceptance_length": 2.5,
+                           "spec/tokens_per_target_forward": 2.4, "spec/draft_s": 1.0, "spec/verify_s": 3.0,
+                           "spec/same_output_as_baseline": True, "spec/num_spec_tokens": 4,
+                           "config": {"concurrency": concurrency, "engine": {"name": engine},
+                                      "workload": {"min_prompt_len": min_len}}}
+                (job / "results.json").write_text(json.dumps(results))
+                num += 1
+    (root / "failed").mkdir()
+    (root / "failed" / "error.json").write_text("{}")
+    return root
+
+
+def test_crossover_points(crossover: ModuleType) -> None:
+    point = crossover.crossover_point([1, 4, 16], [1.1, 0.9, 0.7])
+    assert point["crossover"] == pytest.approx(2 ** (0 + 0.1 / 0.2 * 2)) and "1 and 4" in point["status"]
+    assert crossover.crossover_point([1, 4], [0.8, 0.5])["crossover"] is None
+    assert "below 1.0 already" in crossover.crossover_point([1, 4], [0.8, 0.5])["status"]
+    assert "still above" in crossover.crossover_point([1, 4], [1.8, 1.5])["status"]
+    assert crossover.crossover_point([100, 300], [1.2, 0.8], log_x=False)["crossover"] == pytest.approx(200)
+
+
+def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = _write_sweep(tmp_path / "sweep")
+    assert crossover.main([str(sweep)]) == 0
+    out = sweep / "crossover"
+    assert (out / "crossover.png").stat().st_size > 10_000
+    data = json.loads((out / "crossover.json").read_text())
+    assert data["axis"] == "concurrency" and len(data["rows"]) == 9
+    by_method = {p["method"]: p for p in data["crossovers"]}
+    assert by_method["EAGLE"]["crossover"] == pytest.approx(2 ** (2 + 0.2 / 0.4 * 2))
+    assert by_method["DFlash"]["crossover"] is None and "still above" in by_method["DFlash"]["status"]
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "| mtbench | DFlash |" in printed
+
+
+def test_prompt_length_axis(crossover: ModuleType, tmp_path: Path) -> None:
+    rows, _ = crossover.load_rows([_write_sweep(tmp_path / "sweep", (8, 256, 768))])
+    assert crossover.axis_of(rows) == "prompt_len"
+    points = crossover.crossovers(rows, "prompt_len")
+    assert len(points) == 9 and all("concurrency" in p for p in points)
+    assert not any(math.isnan(p["best_speedup_tpot"]) for p in points)
+
+
+@pytest.mark.parametrize("experiment", ["crossover", "crossover_prompt_len"])
+def test_experiment_configs_compose(experiment: str) -> None:
+    cfg = compose_cfg([f"+experiment={experiment}", "concurrency=16"])
+    assert cfg.engine.measure_speedup and cfg.workload.num_prompts == 16 and cfg.workload.max_concurrency == 16
+    assert compose_cfg([f"+experiment={experiment}", "concurrency=1"]).workload.num_prompts == 4

@@ -1,0 +1,138 @@
+"""EAGLE-style and DFlash drafters: target features are what the forward computes; a few training steps
+reduce the validation loss; checkpoints round-trip and refuse another target; speculation with trained
+drafters is lossless (greedy) at batch 1 and > 1 with mixed lengths, and runs with sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.drafters import load_drafter, target_fingerprint
+from lab.engines.ar import AREngine
+from lab.engines.speculative import SpeculativeEngine
+from lab.errors import LabError
+from lab.kv_cache import PagedKVCacheConfig
+from lab.kv_cache.base import NoCache
+from lab.models.sources import tiny
+from lab.runner import ModelRunner
+from lab.sched import SchedulerConfig
+from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.eagle import EagleProposerConfig
+from lab.training.data import DataConfig, Sequence
+from lab.training.recipe import TrainConfig, train_drafter
+from tests.helpers import make_requests
+
+KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
+OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0}}
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (4 + (7 * i) % 23,), generator=generator).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_runner: ModelRunner, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Both drafters trained briefly on the tiny target's own greedy continuations (cache pre-seeded)."""
+    cache = tmp_path_factory.mktemp("train-cache")
+    data = DataConfig(num_prompts=40)
+    result = AREngine(tiny_runner).run(make_requests(_prompts(40, seed=3), 40, ignore_eos=True))
+    sequences = [{"token_ids": r.all_token_ids, "prompt_len": r.num_prompt_tokens} for r in result.requests]
+    (cache / f"responses-{data.key()}.json").write_text(json.dumps(sequences))
+    out = {}
+    for kind in ("eagle", "dflash"):
+        path = cache / f"{kind}.pt"
+        train = TrainConfig(steps=80, batch_size=8, lr=3e-3, warmup_steps=5, max_seq_len=96, val_sequences=8,
+                            log_every=1000)
+        metrics = train_drafter(kind, tiny_runner, DataConfig(num_prompts=40), train, dict(OPTIONS[kind]), path,
+                                "test", cache, log=lambda _: None)
+        out[kind] = (path, metrics)
+    return out
+
+
+def test_features_are_the_forward_hidden_states(tiny_runner: ModelRunner) -> None:
+    ids = torch.tensor([_prompts(1, seed=0)[0]])
+    positions = torch.arange(ids.shape[1])[None]
+    logits, features = tiny_runner.execute_with_features(ids, positions, NoCache(), torch.tensor([ids.shape[1] - 1]),
+                                                         (0, -1))
+    hidden = tiny_runner.config.hidden_size
+    assert features.shape == (1, ids.shape[1], 2 * hidden)
+    model = tiny_runner.model
+    torch.testing.assert_close(model.compute_logits(model.norm(features[0, -1:, hidden:])), logits[0])
+    torch.testing.assert_close(logits[0], tiny_runner.execute(ids, positions, NoCache(), logits_index=-1))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_a_few_training_steps_reduce_the_loss(trained: dict, kind: str) -> None:
+    _, metrics = trained[kind]
+    assert metrics["train/last_loss"] < 0.8 * metrics["train/first_loss"], metrics
+    assert {"val_before/ce", "val/ce", "val/top1_acc"} <= metrics.keys()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_checkpoint_round_trip_and_wrong_target(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    path, _ = trained[kind]
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["target"] == target_fingerprint(tiny_runner.model) and ckpt["command"] == "test"
+    drafter = load_drafter(path, kind, tiny_runner.model)
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(tensor, ckpt["state_dict"][name].float())
+    other = ModelRunner(tiny(seed=5, vocab_size=128, with_tokenizer=False))
+    with pytest.raises(LabError, match="trained for target"):
+        load_drafter(path, kind, other.model)
+    with pytest.raises(LabError, match="holds a"):
+        load_drafter(path, {"eagle": "dflash", "dflash": "eagle"}[kind], tiny_runner.model)
+    with pytest.raises(LabError, match="does not exist"):
+        load_drafter(path.with_name("missing.pt"), kind, tiny_runner.model)
+
+
+def _proposer(kind: str, path: Path):
+    return EagleProposerConfig(checkpoint=str(path)) if kind == "eagle" else DFlashProposerConfig(checkpoint=str(path))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kind: str, max_num_seqs: int,
+                                                              tiny_runner: ModelRunner) -> None:
+    prompts = _prompts(16, seed=3)[8:14]   # training prompts (not the held-out 8): drafts get accepted
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),
+                               kv_cache=KV)
+    requests = make_requests(prompts, 24, ignore_eos=True)
+    for i, request in enumerate(requests):
+        request.arrival_time = 0.002 * i
+    result = engine.run(requests)
+    assert [r.output_token_ids for r in result.requests] == expected
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["spec/draft_unready_requests"] == 0
+    assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
+
+
+def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_runner: ModelRunner) -> None:
+    prompts = [p * 2 for p in _prompts(3, seed=4)]   # shared blocks the prefix cache would serve
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 10, ignore_eos=True)).requests]
+    kv = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None, enable_prefix_caching=True)
+    for config in (EagleProposerConfig(checkpoint=None), DFlashProposerConfig(checkpoint=None, drafter={"block_size": 3})):
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, scheduler=SchedulerConfig(max_num_seqs=3),
+                                   kv_cache=kv)
+        assert not engine.kv_manager.enable_prefix_caching
+        assert [r.output_token_ids for r in engine.run(make_requests(prompts, 10, ignore_eos=True)).requests] == expected
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_sampling_with_drafters_runs_and_is_reproducible(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    prompts = _prompts(12, seed=3)[8:12]
+
+    def sample() -> list[list[int]]:
+        engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=4), kv_cache=KV)
+        requests = make_requests(prompts, 16, ignore_eos=True, temperature=0.8, seed=7)
+        return [r.output_token_ids for r in engine.run(requests).requests]
+
+    first = sample()
+    assert all(len(tokens) == 16 for tokens in first) and first == sample()
