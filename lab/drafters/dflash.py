@@ -97,7 +97,8 @@ class DFlashDrafter(nn.Module):
                                intermediate_size=config.intermediate_size or target_config.intermediate_size)
         self.fc = nn.Linear(len(self.config.feature_layers) * hidden, hidden, bias=False)
         self.context_norm = RMSNorm(hidden, target_config.rms_norm_eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        # NOTE: not zeros: RMSNorm of a zero vector has a ~1/sqrt(eps) gradient, which blows up the first steps.
+        self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
         self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(self.config.num_layers))
         self.rotary = RotaryEmbedding(layer_config, hf_config)
 

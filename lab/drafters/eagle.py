@@ -1,6 +1,6 @@
 """EagleDrafter: EAGLE's draft head. One decoder layer that reads, at position i, the target's feature at
-i-1 (the last layer's residual stream, pre-norm) with the embedding of token i, and predicts the target's
-feature at i; the target's frozen final norm and LM head turn it into token i+1. Drafting a chain feeds
+i-1 (its last hidden state after the final norm, as EAGLE uses) with the embedding of token i, and predicts
+the target's feature at i; the target's frozen LM head turns it into token i+1. Drafting a chain feeds
 each predicted feature back in place of the target's.
 
 Owns: the head's weights and forward. Ignores: KV bookkeeping (lab/spec/eagle.py) and training

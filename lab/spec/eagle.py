@@ -1,6 +1,7 @@
 """EagleProposer (engine=eagle, proposer=eagle): EAGLE-style chain drafting in feature space.
 
-Position i of the draft reads (target feature at i-1, embedding of token i). Each propose: one forward
+Position i of the draft reads (target feature at i-1, embedding of token i); a feature is the target's
+last hidden state after its final norm, so the target's LM head reads the draft's output directly. Each propose: one forward
 catches a request up over the positions whose inputs are now all real (the tokens the target accepted
 since the last draft and the last token), which predicts the feature at the last position and so the
 first draft token; then k-1 single-token forwards feed each predicted feature back. The draft's KV of
@@ -48,9 +49,14 @@ class EagleProposer(FeatureProposer):
         self.num_forwards += 1
         return hidden[0, last_rows]                                                           # (R, H)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """EAGLE's features are post-norm: the target's head reads the predicted feature directly."""
+        return self.target.compute_logits(hidden).float()
+
     def _prev_features(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """Target features at positions start-1 .. end-2 (zeros before position 0): (end - start, H)."""
-        rows = self.store.read(request_id, max(0, start - 1), end - 1)
+        """Target features (after the final norm) at positions start-1 .. end-2, zeros before position 0:
+        (end - start, H)."""
+        rows = self.target.norm(self.store.read(request_id, max(0, start - 1), end - 1))
         if start == 0:
             rows = torch.cat((rows.new_zeros(1, self.store.dim), rows))
         return rows

@@ -1,7 +1,8 @@
 """The drafters' training objectives, on batches of target-generated sequences with cached target features.
 
-- EAGLE: at every position i the head reads (feature i-1, token i) and predicts feature i: smooth-L1
-  regression to the target's feature plus cross-entropy of the target's head on it against token i+1
+- EAGLE: at every position i the head reads (feature i-1, token i) and predicts feature i (the target's
+  last hidden state after its final norm): smooth-L1 regression to it plus cross-entropy of the target's
+  head on it against token i+1
   (EAGLE's 1.0 / 0.1 weighting); input features get uniform noise, as EAGLE trains for its own drift.
 - DFlash: random anchor positions in each answer; the block after an anchor (the anchor's token + B-1
   masks) must predict the next B-1 tokens seeing only context before the anchor; cross-entropy per block
@@ -52,7 +53,8 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
                noise: float = 0.1, ce_positions: int = 128, generator: torch.Generator | None = None
                ) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
-    features = batch.features                                                      # (S, T, H)
+    with torch.no_grad():   # EAGLE's features are the target's last hidden states after the final norm
+        features = target.norm(batch.features)                                    # (S, T, H)
     prev = torch.cat((features.new_zeros(s, 1, features.shape[-1]), features[:, :-1]), dim=1)
     if noise and drafter.training:
         prev = prev + (torch.rand(prev.shape, generator=generator) - 0.5) * 2 * noise
@@ -71,7 +73,7 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
         rows.append(torch.full_like(pick, row))
         cols.append(pick)
     rows, cols = torch.cat(rows), torch.cat(cols)
-    logits = _logits(target, predicted[rows, cols])                                 # (P, V)
+    logits = target.compute_logits(predicted[rows, cols]).float()                  # (P, V)
     labels = batch.token_ids[rows, cols + 1]
     ce = F.cross_entropy(logits, labels)
     accuracy = (logits.argmax(-1) == labels).float().mean()

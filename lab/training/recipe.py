@@ -41,6 +41,7 @@ class TrainConfig:
     max_seq_len: int = 512
     val_sequences: int = 12
     log_every: int = 20
+    val_every: int = 100   # validate every N steps and keep the best weights (early stopping); 0 = only at the end
 
 
 def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
@@ -49,6 +50,8 @@ def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
         pairs = [(drafter.layer, target.layers[-1])]
         names = {}
     else:
+        with torch.no_grad():   # the mask token starts at the scale of a real token's embedding
+            drafter.mask_embedding.copy_(torch.randn_like(drafter.mask_embedding) * target.embed_tokens.weight.std())
         pairs = list(zip(drafter.layers, list(target.layers)[-len(drafter.layers):]))
         names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
     for mine, theirs in pairs:
@@ -101,6 +104,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     start = time.perf_counter()
     drafter.train()
     losses: list[float] = []
+    best: _Best | None = None
     for step in range(train.steps):
         index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
         batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len)
@@ -115,10 +119,14 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         if (step + 1) % train.log_every == 0 or step == 0:
             log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
                 f"({time.perf_counter() - start:.0f} s)")
-    after = evaluate(drafter, loss_fn, val, train.max_seq_len)
-    log(f"final validation {json.dumps(after)}")
+        if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < train.steps:
+            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
+    best = _keep_best(best, train.steps, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
+    drafter.load_state_dict(best.state)
+    after = best.metrics
+    log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
     window = max(1, min(10, len(losses) // 4))
-    metrics = {"train_seconds": time.perf_counter() - start, "steps": train.steps,
+    metrics = {"train_seconds": time.perf_counter() - start, "steps": train.steps, "best_step": best.step,
                "train/first_loss": sum(losses[:window]) / window, "train/last_loss": sum(losses[-window:]) / window,
                **{f"val_before/{k}": v for k, v in before.items()}, **{f"val/{k}": v for k, v in after.items()}}
     save_drafter(output, drafter.eval(), target_model, command, metrics)
@@ -153,6 +161,22 @@ def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max
         batches += 1
     drafter.train()
     return _round({k: v / batches for k, v in totals.items()})
+
+
+@dataclass(slots=True)
+class _Best:
+    step: int
+    metrics: dict[str, float]
+    state: dict[str, torch.Tensor]
+
+
+def _keep_best(best: _Best | None, step: int, metrics: dict[str, float], drafter: nn.Module,
+               log: Callable[[str], None]) -> _Best:
+    """Early stopping on the validation cross-entropy (a small corpus overfits within a few epochs)."""
+    log(f"step {step} validation {json.dumps(metrics)}")
+    if best is None or metrics["ce"] < best.metrics["ce"]:
+        return _Best(step, metrics, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+    return best
 
 
 def _round(metrics: dict[str, float]) -> dict[str, float]:
