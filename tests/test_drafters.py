@@ -26,7 +26,7 @@ from lab.training.recipe import TrainConfig, train_drafter
 from tests.helpers import make_requests
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
-OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0}}
+OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0, "fuse_last_context": True}}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -36,6 +36,10 @@ class DFlashConfig:
     num_layers: int = 1
     feature_layers: list[int] = field(default_factory=list)   # target layers read; [] -> 5 evenly spaced
     intermediate_size: int | None = None   # MLP width; None: the target's
+    # NOTE: also add the context stream of the block's last context position (the target's features of
+    # the token before the block) to every block input: the direct path EAGLE's input fusion gives, which a
+    # 1-layer drafter otherwise has to find through attention.
+    fuse_last_context: bool = False
 
     def resolved(self, num_target_layers: int) -> "DFlashConfig":
         layers = self.feature_layers or spaced_layers(num_target_layers, 5)
@@ -110,17 +114,25 @@ class DFlashDrafter(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    def context_stream(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features (..., L*H) -> the projected, normalised context stream (..., H)."""
+        return self.context_norm(self.fc(features))
+
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target features (S, C, L*H) at positions (S, C) -> per drafter layer (k, v), each (S, Hkv, C, D)."""
-        context = self.context_norm(self.fc(features))                             # (S, C, H)
+        context = self.context_stream(features)                                    # (S, C, H)
         cos, sin = self.rotary(positions)
         return [layer.context_kv(context, cos, sin) for layer in self.layers]
 
-    def block_inputs(self, first_embeds: torch.Tensor, num_blocks_per_seq: int) -> torch.Tensor:
-        """first_embeds (S, M, H): each block's first (known) token -> block inputs (S, M * B, H)."""
+    def block_inputs(self, first_embeds: torch.Tensor, last_features: torch.Tensor | None = None) -> torch.Tensor:
+        """first_embeds (S, M, H): each block's first (known) token; last_features (S, M, L*H): the target's
+        features of the position before each block (read when fuse_last_context) -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
         masks = self.mask_embedding.to(first_embeds.dtype).expand(s, m, self.block_size - 1, h)
-        return torch.cat((first_embeds[:, :, None], masks), dim=2).reshape(s, m * self.block_size, h)
+        blocks = torch.cat((first_embeds[:, :, None], masks), dim=2)                  # (S, M, B, H)
+        if self.config.fuse_last_context:
+            blocks = blocks + self.context_stream(last_features)[:, :, None]
+        return blocks.reshape(s, m * self.block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:

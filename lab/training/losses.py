@@ -104,7 +104,8 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     context = drafter.context_kv(batch.features, torch.arange(t)[None].expand(s, t))
     with torch.no_grad():
         first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
-    hidden = drafter(drafter.block_inputs(first, num_anchors), block_positions, context,
+    last = batch.features.gather(1, (anchors - 1)[..., None].expand(-1, -1, batch.features.shape[-1]))
+    hidden = drafter(drafter.block_inputs(first, last), block_positions, context,
                      block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
     keep = labels >= 0

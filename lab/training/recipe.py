@@ -66,7 +66,7 @@ def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
 
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
     keys = {"eagle": ("feature_layer", "intermediate_size"),
-            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size")}[kind]
+            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context")}[kind]
     settings = {k: (list(v) if k == "feature_layers" else v) for k, v in options.items() if k in keys}
     if kind == "eagle":
         return EagleDrafter(target.config, EagleConfig(**settings), target.source.hf_config)
