@@ -9,6 +9,7 @@ once, since only its row is gathered but the lm_head reads the whole matrix).
     python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
     python experiments/bench_ar.py --quick         # a short run
     python experiments/bench_ar.py --dtype bfloat16  # also bf16
+    python experiments/bench_ar.py --no-native --profile  # + `ar-mkl` (native kernels off), both profiled
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_ar.py  # cores shared with other jobs: see docs/benchmarks.md
 """
 
@@ -21,12 +22,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from lab.engines.ar import AREngine
 from lab.engines.base import Engine
 from lab.engines.hf import HFEngine
+from lab.models import native_gemv
 from lab.models.sources import smollm2
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -69,6 +72,17 @@ def memory_bandwidth_gb_s(repeats: int) -> dict[str, float]:
 
 
 def run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
+    if engine.name == "ar-mkl":  # NOTE: the ablation runs with the native kernels off, the others with them
+        native_gemv.set_enabled(False)
+        try:
+            _run_once(engine, prompt_token_ids, num_new_tokens, samples)
+        finally:
+            native_gemv.set_enabled(True)
+    else:
+        _run_once(engine, prompt_token_ids, num_new_tokens, samples)
+
+
+def _run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
     params = SamplingParams(max_tokens=num_new_tokens, ignore_eos=True)
     request = Request(f"{engine.name}-{len(samples.decode_tok_s)}", list(prompt_token_ids), params)
     engine.run([request])
@@ -90,6 +104,15 @@ def row_major_runner(dtype: str) -> ModelRunner:
     return runner
 
 
+def mkl_runner(dtype: str) -> ModelRunner:
+    """A runner built with the native kernels off: column-major weights for MKL's gemv (the fallback)."""
+    native_gemv.set_enabled(False)
+    try:
+        return ModelRunner(smollm2(), dtype=dtype, device="cpu")
+    finally:
+        native_gemv.set_enabled(True)
+
+
 def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
     generator = torch.Generator().manual_seed(args.seed)
@@ -97,6 +120,8 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     engines: list[Engine] = [AREngine(runner), HFEngine(runner, batch_size=1)]
     if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
         engines.append(AREngine(row_major_runner(dtype), name="ar-rowmajor"))
+    if args.no_native and dtype == "float32" and native_gemv.AVAILABLE:
+        engines.append(AREngine(mkl_runner(dtype), name="ar-mkl"))
     results = {engine.name: Samples() for engine in engines}
     for engine in engines:
         run_once(engine, prompt, min(8, args.new_tokens), Samples())  # warm-up: allocator, caches, threads
@@ -107,10 +132,32 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     return DtypeResult(runner.weight_bytes, results)
 
 
-def profile_decode(dtype: str, args: argparse.Namespace, num_steps: int = 16) -> str:
-    """torch.profiler's top operators over `num_steps` decode steps of our model (after a prefill)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_decode(dtype: str, args: argparse.Namespace, native: bool = True, num_steps: int = 16) -> str:
+    """torch.profiler's top operators over `num_steps` decode steps of our model (after a prefill); the
+    native kernels (pybind calls the profiler does not see) show up as `native::<name>` ranges."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    saved = {name: getattr(native_gemv, name)
+             for name in ("gemv", "rms_norm", "add_rms_norm", "rope", "silu_mul", "decode_attention")}
+
+    def labelled(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            with record_function(f"native::{name}"):
+                return fn(*args)
+        return call
+
+    for name, fn in saved.items():
+        setattr(native_gemv, name, labelled(name, fn))
+    native_gemv.set_enabled(native)
+    try:
+        return _profile_decode(dtype, args, num_steps, profile, ProfilerActivity)
+    finally:
+        native_gemv.set_enabled(True)
+        for name, fn in saved.items():
+            setattr(native_gemv, name, fn)
+
+
+def _profile_decode(dtype: str, args: argparse.Namespace, num_steps: int, profile: Any, activity: Any) -> str:
     runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
     cache = runner.allocate_kv_cache(1, args.prompt_len + 2 * num_steps)
     cache.begin_forward(0, args.prompt_len)
@@ -122,10 +169,22 @@ def profile_decode(dtype: str, args: argparse.Namespace, num_steps: int = 16) ->
 
     for position in range(args.prompt_len, args.prompt_len + num_steps):
         decode(position)  # warm-up
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    start = time.perf_counter()
+    for position in range(args.prompt_len + num_steps, args.prompt_len + 2 * num_steps):
+        decode(position)
+    step_ms = (time.perf_counter() - start) / num_steps * 1e3
+    with profile(activities=[activity.CPU]) as prof:
         for position in range(args.prompt_len + num_steps, args.prompt_len + 2 * num_steps):
             decode(position)
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    linear_ops = {"native::gemv", "aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}
+    linear = sum(e.self_cpu_time_total for e in events if e.key in linear_ops)
+    return (f"unprofiled step {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); profiled: "
+            f"{total / num_steps / 1e3:.2f} ms/step self CPU, linears (incl. lm_head) "
+            f"{linear / num_steps / 1e3:.2f} ms = {linear / total:.0%}, everything else "
+            f"{(total - linear) / num_steps / 1e3:.2f} ms\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def render_table(by_dtype: dict[str, DtypeResult], bandwidth_gb_s: float) -> str:
@@ -152,6 +211,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="32 new tokens, 2 repetitions")
     parser.add_argument("--row-major", action="store_true",
                         help="ablation (fp32): also run `ar` with row-major (PyTorch's default) weights")
+    parser.add_argument("--no-native", action="store_true",
+                        help="ablation (fp32): also run `ar` with the native decode kernels off (`ar-mkl`: "
+                             "column-major weights on MKL's gemv, F.rms_norm, SDPA)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -185,7 +247,10 @@ def main() -> None:
     print()
     print(render_table(by_dtype, best))
     if args.profile:
-        print(f"\nar decode step, {dtypes[-1]}, self CPU time per operator:\n{profile_decode(dtypes[-1], args)}")
+        for native in [True, False] if args.no_native else [True]:
+            label = "native kernels" if native and native_gemv.AVAILABLE else "torch ops / MKL (no native kernels)"
+            print(f"\nar decode step, {dtypes[-1]}, {label}, self CPU time per operator:\n"
+                  f"{profile_decode(dtypes[-1], args, native)}")
     print(f"\nload average after: {os.getloadavg()[0]:.2f} (other processes on these cores skew the numbers)")
 
 

@@ -6,9 +6,12 @@ batching). Ignores: which request a row belongs to.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lab.kv_cache.base import sdpa
+from lab.models import native_gemv
 
 
 class ContiguousKVCache:
@@ -22,6 +25,12 @@ class ContiguousKVCache:
         self.num_tokens = 0                          # tokens this forward appends
         self.key_padding: torch.Tensor | None = None  # (B, max_len) bool, True = real token
         self._mask: torch.Tensor | None = None
+        # NOTE: batch-1 decode (one row, one token, no padding) can take the native kernel: the KV write and
+        # the attention in one call instead of ~10 small ops and SDPA (docs/profiling.md).
+        self._native_decode = (batch_size == 1 and head_dim % 8 == 0 and dtype == torch.float32
+                               and torch.device(device).type == "cpu")
+        self._scale = 1 / math.sqrt(head_dim)
+        self._rows = [(k[0], v[0]) for k, v in zip(self.k, self.v)] if self._native_decode else []  # (Hkv, L, D)
 
     @property
     def num_bytes(self) -> int:
@@ -58,6 +67,9 @@ class ContiguousKVCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + self.num_tokens
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
+        if self.num_tokens == 1 and self._native_decode and self.key_padding is None and native_gemv.usable(q):
+            k_rows, v_rows = self._rows[layer_idx]
+            return native_gemv.decode_attention(q, k, v, k_rows, v_rows, self.start, self._scale)
         # NOTE: narrow + copy_ rather than slice assignment: Python indexing costs more than the copy at T = 1.
         k_cache.narrow(2, self.start, self.num_tokens).copy_(k.transpose(1, 2))
         v_cache.narrow(2, self.start, self.num_tokens).copy_(v.transpose(1, 2))

@@ -15,6 +15,7 @@ from torch import nn
 
 from lab.errors import LabError
 from lab.kv_cache.base import AttentionCache
+from lab.models import native_gemv
 from lab.models.config import DecoderConfig
 from lab.models.rope import RotaryEmbedding, apply_rope
 
@@ -27,7 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # NOTE: in fp32 HF's casts are no-ops, so the weight can go into the one fused call.
+            # NOTE: in fp32 HF's casts are no-ops, so the weight can go into the one fused call. On CPU the
+            # native kernel does it in one pass, ~1.5 us a row against ~14 for F.rms_norm's composite ops.
+            if native_gemv.usable(x, self.weight):
+                return native_gemv.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # NOTE: normalise in fp32 and scale after casting back, exactly as HF's Llama/Qwen RMSNorm.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -69,7 +73,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native_gemv.usable(gate_up):
+            return self.down_proj(native_gemv.silu_mul(gate_up))  # NOTE: one pass instead of split, silu, mul
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -82,8 +89,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        norm = self.post_attention_layernorm
+        if norm.weight.dtype == torch.float32 and native_gemv.usable(x, attn, norm.weight):
+            x, normed = native_gemv.add_rms_norm(x, attn, norm.weight, norm.eps)  # NOTE: one call, not two
+            return x + self.mlp(normed)
+        x = x + attn
+        return x + self.mlp(norm(x))
 
 
 class DecoderModel(nn.Module):

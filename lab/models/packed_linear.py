@@ -1,13 +1,16 @@
 """Linear layers with a second copy of their weight prepacked for batched GEMM on CPU (oneDNN, fp32).
 
-Owns: choosing per call between the module's own weight and the packed copy. One row (batch-1 decode)
-goes to F.linear, i.e. MKL's gemv on the column-major layout DecoderModel.use_column_major_weights
-sets; two rows or more (batched decode, prefill) go to oneDNN's matmul on a blocked copy made once.
+Owns: choosing per call between the module's own weight, the packed copy and the native GEMV. One row
+(batch-1 decode) goes to lab/models/native_gemv.py's kernel on the module's own (out, in) row-major
+weight when the kernel is built; without it, to F.linear, i.e. MKL's gemv on the column-major layout
+ModelRunner then sets (DecoderModel.use_column_major_weights). Two rows or more (batched decode, prefill)
+go to oneDNN's matmul on a blocked copy made once.
 Ignores: what the layers compute; the state dict (the copy is a plain attribute, never saved).
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
-53 / 63; at one row MKL's gemv on the column-major weight is faster (8.5 vs 6.4). docs/profiling.md.
+53 / 63; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
+the column-major weight and 11-18 on the row-major one. docs/benchmarks.md, docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lab.models import native_gemv
 
 # NOTE: oneDNN picks its blocked layout for a typical row count; any count >= 8 measured the same.
 PACK_BATCH_HINT = 64
@@ -26,7 +31,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear whose forward uses `packed` (oneDNN layout) for inputs of two rows or more."""
+    """nn.Linear whose forward uses `packed` (oneDNN layout) for inputs of two rows or more and the native
+    GEMV for one row."""
 
     packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] = (0, -1)   # (data_ptr, version) of the weight the copy was made from
@@ -41,7 +47,14 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: a weight replaced or changed in place after packing makes the copy stale: fall back. oneDNN's
-        # op has no autograd kernel, so anything that backpropagates (drafter training) takes F.linear too.
+        # op and the native GEMV have no autograd kernel, so anything that backpropagates (drafter
+        # training) takes F.linear too. The GEMV reads the live weight (no copy, so never stale) and needs
+        # it row-major: a column-major weight (no kernel at load time) stays on MKL.
+        weight = self.weight
+        if (x.numel() == self.in_features and native_gemv.AVAILABLE and weight.stride(-1) == 1
+                and x.dtype == weight.dtype == torch.float32 and x.is_cpu
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return native_gemv.gemv(x, weight, self.bias)
         if (x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lab.errors import LabError
+from lab.models import native_gemv
 from lab.models.config import DecoderConfig
 
 
@@ -79,4 +80,6 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, D): rotate pairs (i, i + D/2), HF's non-interleaved convention; `signed_sin` as served by
     RotaryEmbedding (first half negated)."""
+    if native_gemv.usable(x) and x.dim() == 4 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return native_gemv.rope(x, cos, signed_sin)  # NOTE: one pass instead of mul, roll (slices + cat), addcmul
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

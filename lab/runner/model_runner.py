@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
+from lab.models import native_gemv
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
 from lab.models.packed_linear import can_pack, pack_linear_weights
@@ -34,8 +35,11 @@ class ModelRunner:
         model = DecoderModel(self.config, source.hf_config)
         model.load_hf_state_dict(source.state_dict)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            # NOTE: fp32 only: CPU bf16 matmuls (oneDNN) repack a column-major weight on every call, ~6x slower.
+        if self.device.type == "cpu" and self.dtype == torch.float32 and native_gemv.load_kernel() is None:
+            # NOTE: batch-1 decode's one-row linears run the native GEMV on the (out, in) row-major weights,
+            # the layout it reads fastest; without it, MKL's gemv reads column-major weights faster than
+            # row-major ones (docs/benchmarks.md). fp32 only: CPU bf16 matmuls (oneDNN) repack a
+            # column-major weight on every call, ~6x slower.
             self.model.use_column_major_weights()
         if can_pack(self.device, self.dtype):
             # NOTE: batched forwards (2+ rows) run oneDNN on a prepacked copy, ~1.3x MKL's sgemm at 32-64 rows.

@@ -1,0 +1,78 @@
+"""Micro-benchmark: fp32 one-row GEMV on SmolLM2-135M's real projection shapes, native kernel vs MKL.
+
+Each shape is timed over enough distinct weight copies (>= 256 MB, as the model's 30 layers are) that
+every call streams its matrix from DRAM, as a decode step does; GB/s = weight bytes / time per call.
+Variants: `mkl-rowmajor` F.linear on the (out, in) contiguous weight (MKL's dot-product sgemv),
+`mkl-colmajor` F.linear on the column-major weight (what ModelRunner used before, MKL's axpy form),
+`native` lab/models/native_gemv.py on the row-major weight (its default: one thread), `native-Nt` the same
+split over the N threads of --threads.
+
+    OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lab.models import native_gemv
+
+SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
+          "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
+STREAM_BYTES = 256 * 2**20
+
+
+def time_variant(fn, weights, x, reps: int) -> float:
+    """Median seconds per call over `reps` sweeps of all weight copies."""
+    for w in weights:
+        fn(x, w)
+    per_sweep = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for w in weights:
+            fn(x, w)
+        per_sweep.append((time.perf_counter() - start) / len(weights))
+    return statistics.median(per_sweep)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    native_gemv.load_kernel()
+    kernel = native_gemv._KERNEL
+    print(f"# bench_gemv: {args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"load average {os.getloadavg()[0]:.2f}, native available: {native_gemv.AVAILABLE}")
+    variants = {"mkl-rowmajor": lambda x, w: F.linear(x, w),
+                "mkl-colmajor": lambda x, w: F.linear(x, w)}
+    if kernel is not None:
+        variants["native"] = lambda x, w: kernel.gemv(x, w, None, 1)
+        if args.threads > 1:
+            variants[f"native-{args.threads}t"] = lambda x, w: kernel.gemv(x, w, None, 0)
+    print("| shape | MB | " + " | ".join(f"{v} GB/s" for v in variants) + " |")
+    print("|---|---:|" + "---:|" * len(variants))
+    with torch.inference_mode():
+        for name, (out, inn) in SHAPES.items():
+            nbytes = out * inn * 4
+            copies = max(2, -(-STREAM_BYTES // nbytes))
+            row = [torch.randn(out, inn) for _ in range(copies)]
+            col = [w.t().contiguous().t() for w in row]
+            x = torch.randn(1, 1, inn)
+            cells = []
+            for vname, fn in variants.items():
+                seconds = time_variant(fn, col if vname == "mkl-colmajor" else row, x, args.reps)
+                cells.append(f"{nbytes / seconds / 1e9:.1f}")
+            print(f"| {name} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |")
+            del row, col
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

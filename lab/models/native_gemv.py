@@ -1,0 +1,488 @@
+"""C++ fp32 kernels for batch-1 decode on CPU: the GEMV y = x W^T (+ bias) for one input row (W (out, in)
+row-major), and the small per-layer ops around it (RMSNorm, SiLU-and-mul, one token's attention over a
+contiguous KV cache).
+
+At batch 1 every projection is a matrix-vector product that streams its weight from DRAM once per token,
+so the step's speed is the speed at which the weights are read. MKL's sgemv (through F.linear) reads them
+well below the machine's bandwidth on this 2-core CPU (docs/benchmarks.md, "Native GEMV"); this kernel
+sweeps W as four side-by-side sequential DRAM streams (four rows at a time, one from each quarter of the
+matrix, two 8-wide FMA accumulators per row) with a masked tail for `in % 8`, on one thread by default
+(THREADS below; more split the rows over torch's OpenMP pool with at::parallel_for).
+The other kernels replace chains of 3-10 small torch ops whose dispatch cost, not their arithmetic,
+dominated the rest of the step (docs/profiling.md).
+
+They are compiled on first use with torch's cpp_extension (cached under ~/.cache/torch_extensions, as
+lab/kv_cache/native_attention.py). Without a compiler or AVX2/FMA, `AVAILABLE` stays False after
+`load_kernel()` and every caller keeps its torch ops (F.linear, F.rms_norm, SDPA).
+
+Owns: the kernels and whether they can run. Ignores: which module calls them (PackedLinear, RMSNorm, MLP,
+ContiguousKVCache decide, through `usable`).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Four horizontal sums at once: returns (sum a, sum b, sum c, sum d).
+static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 ab = _mm256_hadd_ps(a, b);           // a01 a23 b01 b23 | a45 a67 b45 b67
+  __m256 cd = _mm256_hadd_ps(c, d);
+  __m256 abcd = _mm256_hadd_ps(ab, cd);       // a0123 b0123 c0123 d0123 | a4567 ...
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+struct Tail {                 // the last in % 8 columns, loaded under a mask
+  int64_t n8, rem;
+  __m256i mask;
+  __m256 x;
+  Tail(const float* x_, int64_t in) : n8(in & ~int64_t(7)), rem(in - n8) {
+    alignas(32) int32_t bits[8];
+    for (int i = 0; i < 8; ++i) bits[i] = i < rem ? -1 : 0;
+    mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+    x = rem ? _mm256_maskload_ps(x_ + n8, mask) : _mm256_setzero_ps();
+  }
+};
+
+// One row, the plain way: for the few rows S streams leave over.
+static inline float dot_row(const float* __restrict w, const float* __restrict x, int64_t in, const Tail& t) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= in; k += 16) {
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), b);
+  }
+  if (k < t.n8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+  if (t.rem) b = _mm256_fmadd_ps(_mm256_maskload_ps(w + t.n8, t.mask), t.x, b);
+  return hsum8(_mm256_add_ps(a, b));
+}
+
+// Rows [r0, r1) of y = W x (+ bias), W (out, in) row-major with row stride ld.
+// NOTE: the range is cut into 4 equal quarters read side by side (rows r0 + j, r0 + Q + j, ...), so the core
+// keeps 4 long sequential DRAM streams in flight instead of one: on this CPU one thread then reads
+// 23-27 GB/s against 15-18 for the same loop over consecutive rows (experiments/bench_gemv.py).
+// Two 8-wide accumulators per row: 8 independent FMA chains, x loaded once per 4 rows.
+static void gemv_rows(const float* __restrict w, int64_t ld, const float* __restrict x, const float* bias,
+                      float* __restrict y, int64_t in, int64_t r0, int64_t r1) {
+  const Tail t(x, in);
+  const int64_t Q = (r1 - r0) / 4;
+  for (int64_t j = 0; j < Q; ++j) {
+    const int64_t i0 = r0 + j, i1 = i0 + Q, i2 = i1 + Q, i3 = i2 + Q;
+    const float* w0 = w + i0 * ld; const float* w1 = w + i1 * ld; const float* w2 = w + i2 * ld;
+    const float* w3 = w + i3 * ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= in; k += 16) {
+      const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xa, a3);
+      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), xb, b0);
+      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), xb, b1);
+      b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k + 8), xb, b2);
+      b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k + 8), xb, b3);
+    }
+    if (k < t.n8) {
+      const __m256 xa = _mm256_loadu_ps(x + k);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xa, a3);
+    }
+    if (t.rem) {
+      b0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + t.n8, t.mask), t.x, b0);
+      b1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + t.n8, t.mask), t.x, b1);
+      b2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + t.n8, t.mask), t.x, b2);
+      b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + t.n8, t.mask), t.x, b3);
+    }
+    alignas(16) float s[4];
+    _mm_store_ps(s, hsum4x8(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
+                            _mm256_add_ps(a3, b3)));
+    y[i0] = s[0]; y[i1] = s[1]; y[i2] = s[2]; y[i3] = s[3];
+  }
+  for (int64_t r = r0 + 4 * Q; r < r1; ++r) y[r] = dot_row(w + r * ld, x, in, t);
+  if (bias)
+    for (int64_t r = r0; r < r1; ++r) y[r] += bias[r];
+}
+
+// x (..., in) with one row in all; w (out, in) with unit stride along `in`; bias (out,) or None -> (..., out).
+at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv: fp32 only");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), "gemv: W must be row-major (out, in)");
+  const int64_t out = w.size(0), in = w.size(1), ld = w.stride(0);
+  TORCH_CHECK(x.numel() == in, "gemv: x must be one row of ", in, " values");
+  at::Tensor xc = x.contiguous();
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == out, "gemv: bias must be fp32 (out,)");
+    bp = bc.data_ptr<float>();
+  }
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const float* wp = w.data_ptr<float>(); const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  // NOTE: max_threads 1 (the default, see THREADS in native_gemv.py) runs on the calling thread; otherwise each
+  // thread takes one contiguous block of rows, at least 256 KiB of weight, at most max_threads blocks (0: as
+  // many as torch's intra-op threads).
+  if (max_threads == 1) {
+    gemv_rows(wp, ld, xp, bp, yp, in, 0, out);
+  } else {
+    int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
+    if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
+    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, bp, yp, in, r0, r1); });
+  }
+  return y;
+}
+
+// exp for x <= 0 (softmax after subtracting the max; SiLU's exp(-|g|)): Cephes' polynomial, ~1e-7 relative.
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// x (..., H) -> x * rsqrt(mean(x^2) + eps) * w, row by row (HF's RMSNorm in fp32).
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rms_norm: fp32 only");
+  const int64_t H = w.numel();
+  TORCH_CHECK(x.size(-1) == H, "rms_norm: last dim must be ", H);
+  at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float* xp = xc.data_ptr<float>(); const float* wp = wc.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  const int64_t rows = H ? xc.numel() / H : 0, h8 = H & ~int64_t(7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * H; float* yr = yp + r * H;
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= H; k += 16) {
+      const __m256 u = _mm256_loadu_ps(xr + k), v = _mm256_loadu_ps(xr + k + 8);
+      a = _mm256_fmadd_ps(u, u, a); b = _mm256_fmadd_ps(v, v, b);
+    }
+    for (; k < h8; k += 8) { const __m256 u = _mm256_loadu_ps(xr + k); a = _mm256_fmadd_ps(u, u, a); }
+    float ss = hsum8(_mm256_add_ps(a, b));
+    for (; k < H; ++k) ss += xr[k] * xr[k];
+    const float inv = 1.f / std::sqrt(ss / float(H) + float(eps));
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (k = 0; k < h8; k += 8)
+      _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + k), iv), _mm256_loadu_ps(wp + k)));
+    for (; k < H; ++k) yr[k] = xr[k] * inv * wp[k];
+  }
+  return y;
+}
+
+// (x + a, RMSNorm(x + a) * w) for x, a (..., H): the residual add and the next norm in one pass.
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor a, at::Tensor w, double eps) {
+  TORCH_CHECK(x.sizes() == a.sizes() && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat,
+              "add_rms_norm: x and a must be fp32 of one shape");
+  at::Tensor sum = at::add(x, a);
+  return {sum, rms_norm(sum, w, eps)};
+}
+
+// RoPE, HF's non-interleaved convention: x (B, T, H, D) with unit stride in D and rows of H * D; cos and
+// signed_sin (B, T, 1, D) with unit stride in D (first half of signed_sin negated, as RotaryEmbedding
+// serves it) -> x * cos + roll(x, D / 2) * signed_sin, contiguous (B, T, H, D).
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.dim() == 4 && x.scalar_type() == at::kFloat &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rope: fp32 (B, T, H, D)");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && x.stride(3) == 1 && x.stride(2) == D && cos.stride(3) == 1 && sin.stride(3) == 1 &&
+              cos.size(0) == B && cos.size(1) == T && cos.size(3) == D && sin.sizes() == cos.sizes(),
+              "rope: unsupported layout");
+  at::Tensor out = at::empty({B, T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>(); const float* cp = cos.data_ptr<float>(); const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t h8 = half & ~int64_t(7);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cp + b * cos.stride(0) + t * cos.stride(1);
+      const float* sn = sp + b * sin.stride(0) + t * sin.stride(1);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* xr = xp + b * x.stride(0) + t * x.stride(1) + h * D;
+        float* o = op + ((b * T + t) * H + h) * D;
+        int64_t d = 0;
+        for (; d < h8; d += 8) {
+          const __m256 lo = _mm256_loadu_ps(xr + d), hi = _mm256_loadu_ps(xr + half + d);
+          _mm256_storeu_ps(o + d, _mm256_fmadd_ps(hi, _mm256_loadu_ps(sn + d), _mm256_mul_ps(lo, _mm256_loadu_ps(c + d))));
+          _mm256_storeu_ps(o + half + d, _mm256_fmadd_ps(lo, _mm256_loadu_ps(sn + half + d),
+                                                          _mm256_mul_ps(hi, _mm256_loadu_ps(c + half + d))));
+        }
+        for (; d < half; ++d) {
+          const float lo = xr[d], hi = xr[half + d];
+          o[d] = lo * c[d] + hi * sn[d];
+          o[half + d] = hi * c[half + d] + lo * sn[half + d];
+        }
+      }
+    }
+  return out;
+}
+
+// gu (..., 2I) = [gate | up] -> silu(gate) * up (..., I), row by row.
+at::Tensor silu_mul(at::Tensor gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kFloat && gu.size(-1) % 2 == 0, "silu_mul: fp32 (..., 2I)");
+  at::Tensor gc = gu.contiguous();
+  const int64_t I = gc.size(-1) / 2, rows = I ? gc.numel() / (2 * I) : 0, i8 = I & ~int64_t(7);
+  auto sizes = gc.sizes().vec();
+  sizes.back() = I;
+  at::Tensor y = at::empty(sizes, gc.options());
+  const float* gp = gc.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gp + r * 2 * I; const float* u = g + I; float* yr = yp + r * I;
+    int64_t k = 0;
+    for (; k < i8; k += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + k);
+      // NOTE: sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0; no overflow.
+      const __m256 e = exp256(_mm256_or_ps(gv, sign));
+      const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+      const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), gv);
+      _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + k)));
+    }
+    for (; k < I; ++k) yr[k] = g[k] / (1.f + std::exp(-g[k])) * u[k];
+  }
+  return y;
+}
+
+// One decode token of one sequence on a contiguous KV cache: write k, v at `pos`, attend q over keys [0, pos].
+// q (..., Hq, D), k/v (..., Hkv, D) of this token; k_cache/v_cache (Hkv, L, D) contiguous -> out shaped as q.
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                            int64_t pos, double scale) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes(), "decode_attention: caches must be contiguous (Hkv, L, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "decode_attention: fp32 only");
+  const int64_t H = k_cache.size(0), L = k_cache.size(1), D = k_cache.size(2);
+  TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8");
+  TORCH_CHECK(pos >= 0 && pos < L, "decode_attention: position ", pos, " outside the cache");
+  at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  TORCH_CHECK(kc.numel() == H * D && vc.numel() == H * D && qc.numel() % (H * D) == 0, "decode_attention: shapes");
+  const int64_t G = qc.numel() / (H * D), n = pos + 1;
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  float* kcp = k_cache.data_ptr<float>(); float* vcp = v_cache.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>(); float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    std::memcpy(kcp + (h * L + pos) * D, kc.data_ptr<float>() + h * D, D * sizeof(float));
+    std::memcpy(vcp + (h * L + pos) * D, vc.data_ptr<float>() + h * D, D * sizeof(float));
+  }
+  const float sc = float(scale);
+  // NOTE: short contexts stay on one thread: waking the other costs more than the few microseconds saved.
+  const int64_t grain = n * G * D >= (int64_t(1) << 16) ? 1 : H;
+  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+    std::vector<float> scores(n);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* kh = kcp + h * L * D; const float* vh = vcp + h * L * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qp + (h * G + g) * D;
+        float* s = scores.data();
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+          const float* k0 = kh + t * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qg + d);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + d), qv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + D + d), qv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * D + d), qv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * D + d), qv, a3);
+          }
+          _mm_storeu_ps(s + t, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm_set1_ps(sc)));
+        }
+        for (; t < n; ++t) {
+          __m256 a = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(kh + t * D + d), _mm256_loadu_ps(qg + d), a);
+          s[t] = hsum8(a) * sc;
+        }
+        float mx = s[0];
+        for (t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= n; t += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+          _mm256_storeu_ps(s + t, e);
+          sv = _mm256_add_ps(sv, e);
+        }
+        float sum = hsum8(sv);
+        for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+        float* og = op + (h * G + g) * D;
+        const __m256 iv = _mm256_set1_ps(1.f / sum);
+        int64_t d0 = 0;
+        // NOTE: a 32-wide slice of D at a time, two keys per iteration: 8 named accumulators (independent FMA
+        // chains; an indexed array of them would live on the stack).
+        for (; d0 + 32 <= D; d0 += 32) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+          __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+          for (t = 0; t + 2 <= n; t += 2) {
+            const __m256 p = _mm256_broadcast_ss(s + t), r = _mm256_broadcast_ss(s + t + 1);
+            const float* vt = vh + t * D + d0; const float* vu = vt + D;
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
+            b0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu), b0);
+            b1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 8), b1);
+            b2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 16), b2);
+            b3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 24), b3);
+          }
+          if (t < n) {
+            const __m256 p = _mm256_broadcast_ss(s + t);
+            const float* vt = vh + t * D + d0;
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
+          }
+          _mm256_storeu_ps(og + d0, _mm256_mul_ps(_mm256_add_ps(a0, b0), iv));
+          _mm256_storeu_ps(og + d0 + 8, _mm256_mul_ps(_mm256_add_ps(a1, b1), iv));
+          _mm256_storeu_ps(og + d0 + 16, _mm256_mul_ps(_mm256_add_ps(a2, b2), iv));
+          _mm256_storeu_ps(og + d0 + 24, _mm256_mul_ps(_mm256_add_ps(a3, b3), iv));
+        }
+        for (; d0 < D; d0 += 8) {
+          __m256 a0 = _mm256_setzero_ps();
+          for (t = 0; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + t), _mm256_loadu_ps(vh + t * D + d0), a0);
+          _mm256_storeu_ps(og + d0, _mm256_mul_ps(a0, iv));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
+// thread-mode workers are not serialised on it.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("gemv", &gemv, release());
+  m.def("rms_norm", &rms_norm, release());
+  m.def("add_rms_norm", &add_rms_norm, release());
+  m.def("rope", &rope, release());
+  m.def("silu_mul", &silu_mul, release());
+  m.def("decode_attention", &decode_attention, release());
+}
+"""
+
+AVAILABLE: bool = False            # True once load_kernel() has built (or loaded) the extension
+# NOTE: threads per GEMV. One core's four streams already read ~24-26 GB/s here, about all the memory system
+# gives (23-28 GB/s copy, up to 29 read with both cores); a second thread measured no faster on any of
+# SmolLM2's shapes and slower on the small ones (starting and joining it is a visible share of a 50-150 us
+# call), so by default the GEMV stays on the calling thread (docs/benchmarks.md). LAB_GEMV_THREADS=N allows
+# N (0: torch's thread count).
+THREADS = int(os.environ.get("LAB_GEMV_THREADS", "1"))
+_KERNEL: Any = None                # the extension while enabled
+_BUILT: Any = None                 # the extension once built (kept while disabled)
+_KERNEL_ERROR: str | None = None
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def load_kernel() -> Any | None:
+    """The compiled extension (built once per machine and cached), or None where it cannot run here (the
+    reason is warned once). Sets AVAILABLE. LAB_NATIVE_GEMV=0 turns it off (A/B runs, tests)."""
+    global _KERNEL, _KERNEL_ERROR, _BUILT, AVAILABLE
+    if _KERNEL is None and _KERNEL_ERROR is None:
+        if os.environ.get("LAB_NATIVE_GEMV", "1") == "0":
+            _KERNEL_ERROR = "turned off by LAB_NATIVE_GEMV=0"
+        elif not _cpu_has_avx2_fma():
+            _KERNEL_ERROR = "this CPU lacks AVX2/FMA"
+        elif _BUILT is not None:
+            _KERNEL = _BUILT
+        else:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _KERNEL = _BUILT = load_inline(
+                    "lab_native_gemv", cpp_sources=KERNEL_SOURCE,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
+            except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why once
+                _KERNEL_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
+                warnings.warn(f"native decode kernels unavailable, using torch ops: {_KERNEL_ERROR}", stacklevel=2)
+    AVAILABLE = _KERNEL is not None
+    return _KERNEL
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the kernels off for this process, or back on (building them if needed); for tests and A/B
+    benchmarks. Callers check AVAILABLE on every call, so this takes effect at once."""
+    global _KERNEL, _KERNEL_ERROR, AVAILABLE
+    _KERNEL, AVAILABLE = None, False
+    _KERNEL_ERROR = None if enabled else "turned off by set_enabled(False)"
+    if enabled:
+        load_kernel()
+
+
+def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether the kernels can take this call: built, fp32 on CPU, and nothing to backpropagate through."""
+    return (AVAILABLE and x.dtype == torch.float32 and x.is_cpu
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad
+                                                                         for p in params))))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., in) holding one row, weight (out, in) with unit stride along `in` -> (..., out). Needs the kernel."""
+    return _KERNEL.gemv(x, weight, bias, THREADS)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., H) -> RMSNorm(x) * weight, as F.rms_norm in fp32 (one fused pass per row)."""
+    return _KERNEL.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + a, RMSNorm(x + a) * weight): a residual add and the next norm in one call."""
+    total, normed = _KERNEL.add_rms_norm(x, a, weight, eps)
+    return total, normed
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """lab.models.rope.apply_rope in one pass: x (B, T, H, D), cos/signed_sin (B, T, 1, D) -> (B, T, H, D)."""
+    return _KERNEL.rope(x, cos, signed_sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (..., 2I) = [gate | up] -> silu(gate) * up (..., I)."""
+    return _KERNEL.silu_mul(gate_up)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, position: int, scale: float) -> torch.Tensor:
+    """One token of one sequence: store k, v (..., Hkv, D) at `position` of k_cache/v_cache (Hkv, L, D),
+    then softmax-attend q (..., Hq, D) over keys [0, position] (GQA) -> shaped as q."""
+    return _KERNEL.decode_attention(q, k, v, k_cache, v_cache, position, scale)

@@ -1,0 +1,220 @@
+"""The native fp32 batch-1 decode kernels (lab/models/native_gemv.py: GEMV, RMSNorm, add + RMSNorm, RoPE,
+SiLU-and-mul, decode attention on a contiguous cache) match torch, PackedLinear sends one-row inputs to the GEMV, and everything
+still works with the kernels forced off (F.linear on MKL, column-major weights, SDPA).
+
+The kernel is compiled on first use (a minute on a loaded 2-core machine, then cached), so the tests that
+need it are skipped where it cannot be built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.engines.ar import AREngine
+from lab.models import native_gemv
+from lab.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from lab.models.sources import tiny
+from lab.runner import ModelRunner
+from tests.helpers import make_requests
+
+needs_kernel = pytest.mark.skipif(native_gemv.load_kernel() is None, reason="the native GEMV cannot be built here")
+
+
+@pytest.fixture
+def kernel_off() -> Iterator[None]:
+    native_gemv.set_enabled(False)
+    try:
+        yield
+    finally:
+        native_gemv.set_enabled(True)
+
+
+@pytest.fixture
+def count_gemv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = native_gemv.gemv
+
+    def counting(*args: torch.Tensor | None) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(native_gemv, "gemv", counting)
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemv_threads", [1, 0, 2], ids=["one_thread", "torch_threads", "two_threads"])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (3, 5), (7, 13), (8, 8), (33, 17), (64, 576),
+                                                      (129, 1000), (576, 1536), (960, 576), (5000, 40)])
+def test_gemv_matches_f_linear(gemv_threads: int, out_features: int, in_features: int,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_gemv, "THREADS", gemv_threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
+        w = torch.randn(out_features, in_features, generator=generator)
+        b = torch.randn(out_features, generator=generator)
+        for shape in [(in_features,), (1, in_features), (1, 1, in_features)]:
+            x = torch.randn(shape, generator=generator)
+            for bias in (None, b):
+                y = native_gemv.gemv(x, w, bias)
+                reference = F.linear(x, w, bias)
+                assert y.shape == reference.shape
+                torch.testing.assert_close(y, reference, atol=1e-5 * in_features ** 0.5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
+def test_gemv_reads_strided_rows_and_non_contiguous_x() -> None:
+    generator = torch.Generator().manual_seed(0)
+    wide = torch.randn(50, 40, generator=generator)
+    w = wide[:, 3:30]                                  # rows of 27 values, row stride 40
+    x = torch.randn(27, 2, generator=generator)[:, 1]  # stride 2
+    torch.testing.assert_close(native_gemv.gemv(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_gemv_rejects_what_it_cannot_compute() -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="one row"):
+        native_gemv.gemv(torch.randn(2, 16), w)
+    with pytest.raises(RuntimeError, match="row-major"):
+        native_gemv.gemv(torch.randn(16), w.t().contiguous().t())
+    with pytest.raises(RuntimeError, match="fp32"):
+        native_gemv.gemv(torch.randn(16, dtype=torch.float64), w.double())
+
+
+def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = True) -> PackedLinear:
+    if not can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("PackedLinear needs fp32 on a CPU build with mkldnn")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(in_features, out_features, bias=bias))
+    pack_linear_weights(model)
+    return model[0]
+
+
+@needs_kernel
+def test_packed_linear_sends_one_row_to_the_kernel(count_gemv: list[int]) -> None:
+    layer = _packed_layer()
+    x = torch.randn(1, 1, layer.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemv[0] == 1
+        layer(torch.randn(1, 3, layer.in_features))  # two rows or more: oneDNN, not the GEMV
+        assert count_gemv[0] == 1
+        with torch.no_grad():                      # the kernel reads the live weight: never stale
+            layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemv[0] == 2
+
+
+@needs_kernel
+def test_packed_linear_keeps_f_linear_for_autograd_and_column_major(count_gemv: list[int]) -> None:
+    layer = _packed_layer()
+    x = torch.randn(1, layer.in_features, requires_grad=True)
+    layer(x).sum().backward()                      # grad enabled, weight requires grad: F.linear
+    assert x.grad is not None and layer.weight.grad is not None
+    assert count_gemv[0] == 0
+    with torch.inference_mode():
+        layer.weight.data = layer.weight.data.t().contiguous().t()   # column-major: MKL's gemv
+        x = torch.randn(1, layer.in_features)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert count_gemv[0] == 0
+
+
+def test_fallback_when_forced_off(kernel_off: None, count_gemv: list[int]) -> None:
+    assert native_gemv.load_kernel() is None and not native_gemv.AVAILABLE
+    layer = _packed_layer()
+    x = torch.randn(1, layer.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert count_gemv[0] == 0
+    runner = ModelRunner(tiny(), dtype="float32", device="cpu")
+    weight = runner.model.layers[0].mlp.gate_up_proj.weight
+    assert weight.stride(0) == 1, "without the kernel the runner keeps MKL's faster column-major layout"
+
+
+@needs_kernel
+@pytest.mark.parametrize("hidden", [1, 7, 8, 13, 64, 576])
+def test_rms_norm_and_silu_mul_match_torch(hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    x = 3 * torch.randn(3, 2, hidden, generator=generator)
+    w = torch.randn(hidden, generator=generator)
+    torch.testing.assert_close(native_gemv.rms_norm(x, w, 1e-5), F.rms_norm(x, (hidden,), w, 1e-5),
+                               atol=1e-5, rtol=1e-5)
+    gate_up = 10 * torch.randn(2, 1, 2 * hidden, generator=generator)   # large |gate|: exp must not overflow
+    gate, up = gate_up.split(hidden, dim=-1)
+    torch.testing.assert_close(native_gemv.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch,tokens,heads,head_dim", [(1, 1, 12, 64), (1, 7, 3, 16), (2, 3, 2, 10)])
+def test_rope_and_add_rms_norm_match_torch(batch: int, tokens: int, heads: int, head_dim: int) -> None:
+    generator = torch.Generator().manual_seed(heads)
+    x = torch.randn(batch, tokens, heads + 3, head_dim, generator=generator)[:, :, :heads]  # a strided view
+    table = torch.randn(batch, tokens, 2, head_dim, generator=generator)
+    cos, signed_sin = table[:, :, 0:1], table[:, :, 1:2]
+    reference = torch.addcmul(x * cos, x.roll(head_dim // 2, dims=-1), signed_sin)
+    torch.testing.assert_close(native_gemv.rope(x, cos, signed_sin), reference, atol=1e-6, rtol=1e-6)
+    h, a = torch.randn(2, batch, tokens, head_dim, generator=generator)
+    w = torch.randn(head_dim, generator=generator)
+    total, normed = native_gemv.add_rms_norm(h, a, w, 1e-6)
+    torch.testing.assert_close(total, h + a)
+    torch.testing.assert_close(normed, F.rms_norm(h + a, (head_dim,), w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,position", [(3, 3, 64, 0), (3, 3, 64, 1), (3, 3, 64, 130),
+                                                                    (2, 2, 16, 49), (1, 4, 40, 7), (2, 1, 96, 2000)])
+def test_decode_attention_matches_sdpa_and_writes_the_cache(num_kv_heads: int, group: int, head_dim: int,
+                                                            position: int) -> None:
+    generator = torch.Generator().manual_seed(position)
+    max_len = position + 5
+    k_cache = torch.randn(num_kv_heads, max_len, head_dim, generator=generator)
+    v_cache = torch.randn(num_kv_heads, max_len, head_dim, generator=generator)
+    q = torch.randn(1, 1, num_kv_heads * group, head_dim, generator=generator)
+    k, v = (torch.randn(1, 1, num_kv_heads, head_dim, generator=generator) for _ in range(2))
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k[:, position], expected_v[:, position] = k[0, 0], v[0, 0]
+    out = native_gemv.decode_attention(q, k, v, k_cache, v_cache, position, head_dim ** -0.5)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    keys = expected_k[:, :position + 1].repeat_interleave(group, dim=0)                  # (Hq, S, D)
+    values = expected_v[:, :position + 1].repeat_interleave(group, dim=0)
+    reference = F.scaled_dot_product_attention(q[0, 0, :, None], keys, values)           # (Hq, 1, D)
+    torch.testing.assert_close(out[0, 0], reference[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_ar_greedy_tokens_and_logits_same_with_and_without_kernels(count_gemv: list[int]) -> None:
+    source = tiny()
+    with_kernel = ModelRunner(source, dtype="float32", device="cpu")
+    assert with_kernel.model.layers[0].mlp.gate_up_proj.weight.is_contiguous(), "row-major for the kernel"
+    native_gemv.set_enabled(False)
+    try:
+        without = ModelRunner(source, dtype="float32", device="cpu")
+    finally:
+        native_gemv.set_enabled(True)
+    outputs, logits = [], []
+    for runner in (with_kernel, without):
+        native_gemv.set_enabled(runner is with_kernel)
+        try:
+            requests = make_requests([[1, 2, 3, 4, 5], [7, 8, 9]], max_tokens=12)
+            AREngine(runner).run(requests)
+            outputs.append([r.output_token_ids for r in requests])
+            cache = runner.allocate_kv_cache(1, 16)
+            steps = []
+            for position, token in enumerate([3, 1, 4, 1, 5]):   # decode one token at a time: the T = 1 path
+                cache.begin_forward(position, 1)
+                steps.append(runner.execute(torch.tensor([[token]]), torch.tensor([[position]]), cache))
+            logits.append(torch.stack(steps))
+        finally:
+            native_gemv.set_enabled(True)
+    assert count_gemv[0] > 0
+    assert outputs[0] == outputs[1]
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
