@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +24,7 @@ from lab.bench.driver import Target, benchmark
 from lab.bench.metrics import calculate, detailed
 from lab.errors import LabError
 from lab.request import Request
-from lab.run import _unwrap, build_requests
+from lab.run import build_requests, exit_on_lab_error
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 PROMPT_FORMATS = ("auto", "text", "token_ids")
@@ -126,11 +125,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return float(bench(cfg, Path(HydraConfig.get().runtime.output_dir))["output_throughput"])
     except Exception as raw:  # noqa: BLE001 - one clear message for the user's mistakes
-        exc = _unwrap(raw)
-        if not isinstance(exc, LabError):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_lab_error(raw)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import torch
@@ -43,6 +43,16 @@ def _unwrap(exc: BaseException) -> BaseException:
     while isinstance(exc, InstantiationException) and exc.__cause__ is not None:
         exc = exc.__cause__
     return exc
+
+
+def exit_on_lab_error(raw: BaseException) -> NoReturn:
+    """For the console scripts' mains: a LabError (possibly wrapped by Hydra) becomes one message on
+    stderr and exit code 2; anything else is a bug and propagates with its traceback."""
+    exc = _unwrap(raw)
+    if not isinstance(exc, LabError):
+        raise raw
+    print(f"error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 def build_runner(cfg: DictConfig) -> ModelRunner:

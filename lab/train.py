@@ -10,7 +10,6 @@ $LAB_CACHE/train/<target fingerprint>/. The checkpoint records this exact comman
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
 import hydra
@@ -19,8 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lab.errors import LabError
-from lab.run import CONF_DIR, _unwrap
+from lab.run import CONF_DIR, exit_on_lab_error
 from lab.runner import ModelRunner
 from lab.spec.feature_proposer import resolve_checkpoint
 from lab.training.data import DataConfig
@@ -46,11 +44,7 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
     except Exception as raw:  # noqa: BLE001 - one message and exit 2 for bad input
-        exc = _unwrap(raw)
-        if not isinstance(exc, LabError):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_lab_error(raw)
 
 
 if __name__ == "__main__":

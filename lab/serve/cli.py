@@ -7,7 +7,6 @@ The only module of lab.serve that touches DictConfig.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lab.engines.base import Engine
-from lab.errors import LabError
-from lab.run import _unwrap, build_runner
+from lab.run import build_runner, exit_on_lab_error
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.engine_loop import EngineClient, ThreadEngineClient
 from lab.serve.replicas import ReplicaRouter
@@ -109,11 +107,7 @@ def main(cfg: DictConfig) -> None:
     try:
         serve(cfg)
     except Exception as raw:  # noqa: BLE001 - one clear message for the user's mistakes
-        exc = _unwrap(raw)
-        if not isinstance(exc, LabError):
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        exit_on_lab_error(raw)
 
 
 if __name__ == "__main__":
