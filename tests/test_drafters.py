@@ -136,3 +136,8 @@ def test_sampling_with_drafters_runs_and_is_reproducible(trained: dict, kind: st
 
     first = sample()
     assert all(len(tokens) == 16 for tokens in first) and first == sample()
+
+
+def test_bad_training_settings_name_the_key() -> None:
+    with pytest.raises(LabError, match="data.max_new_tokens must be >= 1"):
+        DataConfig(max_new_tokens=0)

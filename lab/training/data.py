@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lab.engines.continuous import ContinuousBatchingEngine
+from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.kv_cache.base import NoCache
 from lab.runner import ModelRunner
@@ -33,6 +34,11 @@ class DataConfig:
     max_new_tokens: int = 256
     max_num_seqs: int = 32
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
+
+    def __post_init__(self) -> None:
+        for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs"):
+            if getattr(self, key) < 1:
+                raise LabError(f"data.{key} must be >= 1, got {getattr(self, key)}", f"set data.{key} to a positive integer")
 
     def key(self) -> str:
         fields = {k: v for k, v in asdict(self).items() if k != "feature_layers"}
