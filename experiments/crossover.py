@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
+from sweep_jobs import finished_jobs  # noqa: E402
 
 METHODS = {"speculative": "vanilla (n-gram)", "eagle": "EAGLE", "dflash": "DFlash"}
 COLUMNS = {"workload": "dataset", "method": "method", "concurrency": "conc.", "prompt_len": "mean prompt",
@@ -51,16 +55,8 @@ def job_row(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_rows(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Path]]:
-    rows, skipped = [], []
-    for sweep_dir in sweep_dirs:
-        job_dirs = {p.parent for name in ("results.json", "error.json") for p in Path(sweep_dir).rglob(name)}
-        for path in sorted(job_dirs):
-            results_file = path / "results.json"
-            results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-            if (path / "error.json").exists() or not results or results.get("failed_job"):
-                skipped.append(path)
-                continue
-            rows.append(job_row(results))
+    finished, skipped = finished_jobs(sweep_dirs)
+    rows = [job_row(results) for results in finished]
     rows.sort(key=lambda r: (r["workload"], r["method"], r["concurrency"], r["prompt_len"]))
     return rows, skipped
 

@@ -13,8 +13,8 @@ is a ratio measured within one process. Owns: reading the jobs' results.json and
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
+from sweep_jobs import finished_jobs  # noqa: E402
 
 PROPOSERS = {"NgramProposerConfig": "ngram", "LayerSkipProposerConfig": "layerskip",
              "DraftModelProposerConfig": "draft_model"}
@@ -88,18 +91,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def load_rows(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Path]]:
     """(a row per setting, medians over repeats; job dirs skipped because they failed or hold no results)."""
-    rows, skipped = [], []
-    for sweep_dir in sweep_dirs:
-        # NOTE: a job dir is wherever results.json or error.json sits: an override such as
-        # engine/proposer=ngram puts a "/" into Hydra's override_dirname, nesting the job one level deeper.
-        job_dirs = {p.parent for name in ("results.json", "error.json") for p in Path(sweep_dir).rglob(name)}
-        for path in sorted(job_dirs):
-            results_file = path / "results.json"
-            results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-            if (path / "error.json").exists() or not results or results.get("failed_job"):
-                skipped.append(path)
-                continue
-            rows.append(job_row(results))
+    finished, skipped = finished_jobs(sweep_dirs)
+    rows = [job_row(results) for results in finished]
     return aggregate(rows), skipped
 
 

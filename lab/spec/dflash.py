@@ -88,8 +88,11 @@ class DFlashProposer(FeatureProposer):
             padded[:, :, row, :, :context.length] = context.data[:, :, :, :context.length]
             sees[row, :, :, :context.length] = True
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
-        last_features = torch.cat([self.store.read(r.request_id, r.num_tokens - 2, r.num_tokens - 1) for r in active])
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_features[:, None])  # (S, B, H)
+        last_features = None
+        if self.drafter.config.fuse_last_context:   # the features of the token before each block
+            last_features = torch.cat([self.store.read(r.request_id, r.num_tokens - 2, r.num_tokens - 1)
+                                       for r in active])[:, None]                            # (S, 1, L*H)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_features)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
         hidden = self.drafter(embeds, positions, [(padded[i, 0], padded[i, 1]) for i in range(layers)], sees)
