@@ -10,6 +10,7 @@ once, since only its row is gathered but the lm_head reads the whole matrix).
     python experiments/bench_ar.py --quick         # a short run
     python experiments/bench_ar.py --dtype bfloat16  # also bf16
     python experiments/bench_ar.py --no-native --profile  # + `ar-mkl` (native kernels off), both profiled
+    python experiments/bench_ar.py --llama-cpp     # + llama.cpp (llama-cpp-python) on an F32 GGUF of the same weights
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_ar.py  # cores shared with other jobs: see docs/benchmarks.md
 """
 
@@ -71,8 +72,39 @@ def memory_bandwidth_gb_s(repeats: int) -> dict[str, float]:
     return {"copy": 2 * num_bytes / copy_s / 1e9, "read": num_bytes / read_s / 1e9}
 
 
-def run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
-    if engine.name == "ar-mkl":  # NOTE: the ablation runs with the native kernels off, the others with them
+class LlamaCppDecoder:
+    """llama.cpp through llama-cpp-python on the F32 GGUF of the same weights (lab/models/gguf_export.py), the
+    same threads; greedy, its tokens timed as they come out of `Llama.generate` (first one = after prefill)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, threads: int, max_len: int) -> None:
+        from llama_cpp import Llama
+
+        from lab.models.gguf_export import smollm2_f32_gguf
+
+        self.llm = Llama(str(smollm2_f32_gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=max_len,
+                         n_batch=max_len, verbose=False)
+
+    def run(self, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
+        start, times, tokens = time.perf_counter(), [], []
+        # NOTE: generate() never stops by itself (no EOS check), so every run yields num_new_tokens tokens.
+        for token in self.llm.generate(prompt_token_ids, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            tokens.append(int(token))
+            if len(tokens) == num_new_tokens:
+                break
+        samples.decode_tok_s.append((len(times) - 1) / (times[-1] - times[0]))
+        samples.e2e_tok_s.append(len(times) / (times[-1] - start))
+        samples.ttft_ms.append((times[0] - start) * 1e3)
+        samples.output_token_ids = tokens
+
+
+def run_once(engine: Engine | LlamaCppDecoder, prompt_token_ids: list[int], num_new_tokens: int,
+             samples: Samples) -> None:
+    if isinstance(engine, LlamaCppDecoder):
+        engine.run(prompt_token_ids, num_new_tokens, samples)
+    elif engine.name == "ar-mkl":  # NOTE: the ablation runs with the native kernels off, the others with them
         native_gemv.set_enabled(False)
         try:
             _run_once(engine, prompt_token_ids, num_new_tokens, samples)
@@ -117,7 +149,9 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=generator).tolist()
-    engines: list[Engine] = [AREngine(runner), HFEngine(runner, batch_size=1)]
+    engines: list[Engine | LlamaCppDecoder] = [AREngine(runner), HFEngine(runner, batch_size=1)]
+    if args.llama_cpp and dtype == "float32":
+        engines.append(LlamaCppDecoder(torch.get_num_threads(), args.prompt_len + args.new_tokens + 8))
     if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
         engines.append(AREngine(row_major_runner(dtype), name="ar-rowmajor"))
     if args.no_native and dtype == "float32" and native_gemv.AVAILABLE:
@@ -214,6 +248,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-native", action="store_true",
                         help="ablation (fp32): also run `ar` with the native decode kernels off (`ar-mkl`: "
                              "column-major weights on MKL's gemv, F.rms_norm, SDPA)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="fp32: also run llama.cpp (llama-cpp-python, optional) on an F32 GGUF of the same weights")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -244,6 +280,10 @@ def main() -> None:
         same = result.samples["ar"].output_token_ids == result.samples["hf"].output_token_ids
         weight_mb = result.weight_bytes / 1e6
         print(f"{dtype}: weights {weight_mb:.0f} MB read per decode step; ar tokens == hf tokens: {same}")
+        if "llama.cpp" in result.samples:
+            ours, theirs = result.samples["ar"].output_token_ids, result.samples["llama.cpp"].output_token_ids
+            agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+            print(f"{dtype}: llama.cpp's greedy tokens equal ar's for the first {agree} of {len(ours)}")
     print()
     print(render_table(by_dtype, best))
     if args.profile:

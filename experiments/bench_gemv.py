@@ -1,4 +1,5 @@
-"""Micro-benchmark: fp32 one-row GEMV on SmolLM2-135M's real projection shapes, native kernel vs MKL.
+"""Micro-benchmark: fp32 one-row GEMV on SmolLM2-135M's real projection shapes, native kernel vs MKL, and
+the same linears on a few rows (a verify step's k + 1 tokens, a small decode batch): native vs oneDNN.
 
 Each shape is timed over enough distinct weight copies (>= 256 MB, as the model's 30 layers are) that
 every call streams its matrix from DRAM, as a decode step does; GB/s = weight bytes / time per call.
@@ -7,7 +8,11 @@ Variants: `mkl-rowmajor` F.linear on the (out, in) contiguous weight (MKL's dot-
 `native` lab/models/native_gemv.py on the row-major weight (its default: one thread), `native-Nt` the same
 split over the N threads of --threads.
 
-    OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1
+`--rows 2,3,5,8` adds a second table: each linear on M rows, the native kernel (weights read once for
+all rows) against oneDNN on its prepacked weight (what PackedLinear used for 2+ rows before), as time per
+call over the native one-row time of the same shape.
+
+    OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--rows", default="", help="comma-separated row counts for the few-rows table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native_gemv.load_kernel()
@@ -71,7 +77,29 @@ def main() -> None:
                 cells.append(f"{nbytes / seconds / 1e9:.1f}")
             print(f"| {name} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |")
             del row, col
+        if args.rows and kernel is not None:
+            few_rows_table(kernel, [int(m) for m in args.rows.split(",")], args.reps)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def few_rows_table(kernel, row_counts: list[int], reps: int) -> None:
+    """Per shape and row count M: native and oneDNN time per call / native time for one row."""
+    onednn = torch.ops.mkldnn
+    print("\n| shape | " + " | ".join(f"M={m} native | M={m} oneDNN" for m in row_counts) + " |")
+    print("|---|" + "---:|---:|" * len(row_counts))
+    for name, (out, inn) in SHAPES.items():
+        copies = max(2, -(-STREAM_BYTES // (out * inn * 4)))
+        weights = [torch.randn(out, inn) for _ in range(copies)]
+        packed = [onednn._reorder_linear_weight(w, 64) for w in weights]
+        one_row = time_variant(lambda x, w: kernel.gemv(x, w, None, 1), weights, torch.randn(1, 1, inn), reps)
+        cells = []
+        for m in row_counts:
+            x = torch.randn(1, m, inn)
+            native = time_variant(lambda x, w: kernel.gemv(x, w, None, 1), weights, x, reps)
+            dnn = time_variant(lambda x, w: onednn._linear_pointwise(x, w, None, "none", [], ""), packed, x, reps)
+            cells += [f"{native / one_row:.2f}", f"{dnn / one_row:.2f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+        del weights, packed
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@
 #   scripts/llamacpp_peer.sh                    # THREADS=$(nproc) RATES="0.5 1 2 inf" NUM_PROMPTS=16
 #   THREADS=2 RATES="1 inf" scripts/llamacpp_peer.sh
 #
-# Steps: (1) pip install llama-cpp-python[server] unless importable; (2) write an F32 GGUF with the `gguf`
-# package: metadata and tokenizer from the bundled GGUF, every tensor dequantized to fp32 (the same values
-# our cached HF model holds, checked on the embedding); (3) serve it with llama_cpp.server and ours with
+# Steps: (1) pip install llama-cpp-python[server] unless importable; (2) an F32 GGUF written with the `gguf`
+# package (lab/models/gguf_export.py: metadata and tokenizer from the bundled GGUF, every tensor dequantized
+# to fp32, the same values our cached HF model holds, checked on the embedding); (3) serve it with llama_cpp.server and ours with
 # lab-serve (127.0.0.1); (4) lab-bench-serve against each at each rate; (5) a table in $OUT/table.md.
 # NOTE: llama-cpp-python's server runs one request at a time (no parallel slots), so its saturation
 # throughput is batch-1 decode; ours batches (cb_paged). --interrupt_requests False: by default a new
@@ -39,41 +39,9 @@ if ! "$PY" -c "import llama_cpp.server" 2>/dev/null; then
   CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" "$PY" -m pip install "llama-cpp-python[server]"
 fi
 
-# (2) the F32 GGUF
-GGUF="$OUT/smollm2-135m-instruct-f32.gguf"
-"$PY" - "$GGUF" <<'EOF'
-import sys
-
-import numpy as np
-import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-from gguf.quants import dequantize
-from safetensors.torch import load_file
-
-from lab.models.sources import convert_smollm2, default_cache_dir, find_smollm2_gguf
-
-reader = GGUFReader(find_smollm2_gguf())
-writer = GGUFWriter(sys.argv[1], reader.fields["general.architecture"].contents())
-for name, field in reader.fields.items():
-    if name.startswith("GGUF.") or name == "general.architecture":
-        continue  # the writer adds these itself
-    vtype = GGUFValueType(field.types[0])
-    value = 0 if name == "general.file_type" else field.contents()  # 0 = ALL_F32
-    sub_type = GGUFValueType(field.types[1]) if vtype == GGUFValueType.ARRAY else None
-    writer.add_key_value(name, value, vtype, sub_type)
-for tensor in reader.tensors:
-    values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-    writer.add_tensor(tensor.name, values.reshape([int(d) for d in reversed(tensor.shape)]))
-writer.write_header_to_file()
-writer.write_kv_data_to_file()
-writer.write_tensors_to_file()
-writer.close()
-ours = load_file(str(convert_smollm2(default_cache_dir()) / "model.safetensors"))["model.embed_tokens.weight"]
-embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-diff = (torch.from_numpy(dequantize(embd.data, embd.tensor_type).copy()) - ours).abs().max().item()
-print(f"[peer] wrote {sys.argv[1]}; token_embd vs our cached embed_tokens: max |diff| = {diff:g}")
-assert diff < 1e-6, "the GGUF does not hold our cached weights"
-EOF
+# (2) the F32 GGUF (lab/models/gguf_export.py; cached under $LAB_CACHE)
+GGUF=$("$PY" -c "from lab.models.gguf_export import smollm2_f32_gguf; print(smollm2_f32_gguf())")
+echo "[peer] F32 GGUF: $GGUF"
 
 # (3) both servers
 LLAMA_PORT=$(free_port); LAB_PORT=$(free_port)

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from lab.engines.ar import AREngine
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.kv_cache import PagedKVCacheConfig, SlotKVCacheConfig
-from lab.kv_cache.native_attention import load_kernel
-from lab.models.packed_linear import PackedLinear, can_pack
+from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
+from lab.kv_cache.native_attention import MAX_KERNEL_QUERY_TOKENS, NativeMeta, load_kernel
+from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, can_pack
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from tests.helpers import make_requests
@@ -54,6 +55,34 @@ def test_kernel_matches_sdpa_over_gathered_blocks() -> None:
 
 
 @needs_kernel
+def test_short_chunks_take_the_kernel_and_match_the_gather_reference() -> None:
+    """Verify-shaped steps (k + 1 tokens after a context), short fresh prompts and decodes go through the
+    kernel one row per token; a longer chunk after them still goes to SDPA. Same result as `gather`."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 48
+    seqs = [SeqSlice([3, 7, 1], 9, 3),                     # a verify step: 3 tokens after 9 of context
+            SeqSlice([5], 0, 1),                           # a one-token prompt
+            SeqSlice([8, 2], 4, 1),                        # a decode
+            SeqSlice([11, 12], 0, MAX_KERNEL_QUERY_TOKENS),  # a short fresh prompt
+            SeqSlice([20, 21, 22, 23, 24], 6, 12)]         # a longer chunk after context: SDPA
+    num_tokens = sum(s.num_query_tokens for s in seqs)
+    q = torch.randn(1, num_tokens, heads, head_dim, generator=generator)
+    k = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
+    v = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
+    outputs = {}
+    for backend in ("native", "gather"):
+        cache = BlockKVCache(1, kv_heads, head_dim, num_blocks, block_size, torch.float32, torch.device("cpu"), backend)
+        stores = torch.Generator().manual_seed(1)
+        cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=stores))
+        cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=stores))
+        cache.begin_step(seqs)
+        if backend == "native":
+            assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == num_tokens - 12
+        outputs[backend] = cache.attend(0, q, k, v)
+    torch.testing.assert_close(outputs["native"], outputs["gather"], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kv_cache", [PagedKVCacheConfig(block_size=8, num_blocks=160, attention="native"),
                                       PagedKVCacheConfig(block_size=4, num_blocks=30, attention="native"),
                                       SlotKVCacheConfig(max_len=96, attention="native")],
@@ -77,7 +106,7 @@ def test_packed_linear_matches_plain_linear_and_falls_back_when_the_weight_chang
         pytest.skip("oneDNN packing needs fp32 on a CPU build with mkldnn")
     layer = tiny_runner.model.layers[0].mlp.gate_up_proj
     assert isinstance(layer, PackedLinear), "the runner packs every linear in fp32 on CPU"
-    x = torch.randn(1, 7, layer.in_features)
+    x = torch.randn(1, NATIVE_MAX_ROWS + 4, layer.in_features)   # more rows than the native GEMV takes
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), atol=1e-5, rtol=1e-5)
     saved = layer.weight.data.clone()
     with torch.no_grad():

@@ -1,5 +1,6 @@
-"""The native fp32 batch-1 decode kernels (lab/models/native_gemv.py: GEMV, RMSNorm, add + RMSNorm, RoPE,
-SiLU-and-mul, decode attention on a contiguous cache) match torch, PackedLinear sends one-row inputs to the GEMV, and everything
+"""The native fp32 batch-1 decode kernels (lab/models/native_gemv.py: GEMV on one row or a few, RMSNorm, add +
+RMSNorm, RoPE, SiLU-and-mul, decode attention on a contiguous cache) match torch, a row's GEMV result does not
+depend on the other rows, PackedLinear sends inputs of up to 8 rows to the GEMV, and everything
 still works with the kernels forced off (F.linear on MKL, column-major weights, SDPA).
 
 The kernel is compiled on first use (a minute on a loaded 2-core machine, then cached), so the tests that
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.models import native_gemv
-from lab.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import make_requests
@@ -59,7 +60,8 @@ def test_gemv_matches_f_linear(gemv_threads: int, out_features: int, in_features
         generator = torch.Generator().manual_seed(out_features * 1000 + in_features)
         w = torch.randn(out_features, in_features, generator=generator)
         b = torch.randn(out_features, generator=generator)
-        for shape in [(in_features,), (1, in_features), (1, 1, in_features)]:
+        for shape in [(in_features,), (1, in_features), (1, 1, in_features), (2, in_features), (1, 5, in_features),
+                      (8, in_features), (3, 7, in_features)]:
             x = torch.randn(shape, generator=generator)
             for bias in (None, b):
                 y = native_gemv.gemv(x, w, bias)
@@ -68,6 +70,24 @@ def test_gemv_matches_f_linear(gemv_threads: int, out_features: int, in_features
                 torch.testing.assert_close(y, reference, atol=1e-5 * in_features ** 0.5, rtol=1e-5)
     finally:
         torch.set_num_threads(saved)
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemv_threads", [1, 2])
+def test_gemv_rows_are_bit_identical_whatever_the_other_rows(gemv_threads: int,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify step's k + 1 rows must give each row exactly what a one-row decode gives it."""
+    monkeypatch.setattr(native_gemv, "THREADS", gemv_threads)
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in [(960, 576), (37, 29), (5, 1536)]:
+        w = torch.randn(out_features, in_features, generator=generator)
+        b = torch.randn(out_features, generator=generator)
+        x = torch.randn(7, in_features, generator=generator)
+        together = native_gemv.gemv(x, w, b)
+        for count in (1, 2, 3, 5):
+            assert torch.equal(native_gemv.gemv(x[:count], w, b), together[:count])
+        for i in range(len(x)):
+            assert torch.equal(native_gemv.gemv(x[i], w, b), together[i])
 
 
 @needs_kernel
@@ -82,8 +102,10 @@ def test_gemv_reads_strided_rows_and_non_contiguous_x() -> None:
 @needs_kernel
 def test_gemv_rejects_what_it_cannot_compute() -> None:
     w = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="one row"):
-        native_gemv.gemv(torch.randn(2, 16), w)
+    with pytest.raises(RuntimeError, match="rows of 16"):
+        native_gemv.gemv(torch.randn(2, 15), w)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        native_gemv.gemv(torch.randn(65, 16), w)
     with pytest.raises(RuntimeError, match="row-major"):
         native_gemv.gemv(torch.randn(16), w.t().contiguous().t())
     with pytest.raises(RuntimeError, match="fp32"):
@@ -100,18 +122,23 @@ def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = Tr
 
 
 @needs_kernel
-def test_packed_linear_sends_one_row_to_the_kernel(count_gemv: list[int]) -> None:
+def test_packed_linear_sends_up_to_eight_rows_to_the_kernel(count_gemv: list[int]) -> None:
     layer = _packed_layer()
     x = torch.randn(1, 1, layer.in_features)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
         assert count_gemv[0] == 1
-        layer(torch.randn(1, 3, layer.in_features))  # two rows or more: oneDNN, not the GEMV
-        assert count_gemv[0] == 1
+        few = torch.randn(1, NATIVE_MAX_ROWS, layer.in_features)   # a verify step, a small batch: the GEMV
+        torch.testing.assert_close(layer(few), F.linear(few, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemv[0] == 2
+        layer(torch.randn(1, NATIVE_MAX_ROWS + 1, layer.in_features))  # more rows: oneDNN, not the GEMV
+        layer(torch.randn(0, layer.in_features))
+        assert count_gemv[0] == 2
+        x = torch.randn(1, 1, layer.in_features)
         with torch.no_grad():                      # the kernel reads the live weight: never stale
             layer.weight.mul_(2)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-        assert count_gemv[0] == 2
+        assert count_gemv[0] == 3
 
 
 @needs_kernel

@@ -1,6 +1,6 @@
 """Attention over BlockKVCache storage for a flat batch of requests: the backend interface and the
-`gather` backend, the clear reference (`fast`, the default, is in split_attention.py; `native`, decodes in
-a C++ kernel over the blocks, in native_attention.py).
+`gather` backend, the clear reference (`fast`, batched SDPA, is in split_attention.py; `native`, the
+default, decodes and verify steps in a C++ kernel over the blocks, in native_attention.py).
 
 `gather`: every request's keys are gathered token by token into a padded (R, Hkv, S, D), queries into
 a padded (R, Hq, T, D), and one SDPA call with a causal + padding mask serves decodes and prefill

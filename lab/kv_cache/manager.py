@@ -65,7 +65,7 @@ class KVCacheManager(Protocol):
 class KVCacheConfig(Protocol):
     """A conf/engine/kv_cache/*.yaml target: plain numbers in, a manager out once the model is known."""
 
-    attention: str   # BlockKVCache backend: "fast" or "gather"
+    attention: str   # BlockKVCache backend: "native", "fast" or "gather"
 
     def build_manager(self, max_model_len: int, max_num_seqs: int, bytes_per_token: int,
                       device: torch.device) -> KVCacheManager:

@@ -140,7 +140,7 @@ class PagedKVCacheConfig:
     kv_cache_memory_mb: float | None = 1024
     memory_fraction: float | None = None
     enable_prefix_caching: bool = True
-    attention: str = "fast"
+    attention: str = "native"
 
     def build_manager(self, max_model_len: int, max_num_seqs: int, bytes_per_token: int,
                       device: torch.device) -> PagedKVCacheManager:

@@ -75,7 +75,7 @@ class SlotKVCacheConfig:
 
     max_len: int = 2048
     num_slots: int | None = None
-    attention: str = "fast"
+    attention: str = "native"
 
     def build_manager(self, max_model_len: int, max_num_seqs: int, bytes_per_token: int,
                       device: torch.device) -> SlotKVCacheManager:

@@ -1,13 +1,14 @@
-"""C++ fp32 kernels for batch-1 decode on CPU: the GEMV y = x W^T (+ bias) for one input row (W (out, in)
-row-major), and the small per-layer ops around it (RMSNorm, SiLU-and-mul, one token's attention over a
-contiguous KV cache).
+"""C++ fp32 kernels for batch-1 decode on CPU: the GEMV y = x W^T (+ bias) for one input row or a few (W (out,
+in) row-major; a few rows: a verify step's k + 1 tokens, a small decode batch), and the small per-layer ops
+around it (RMSNorm, SiLU-and-mul, one token's attention over a contiguous KV cache).
 
 At batch 1 every projection is a matrix-vector product that streams its weight from DRAM once per token,
 so the step's speed is the speed at which the weights are read. MKL's sgemv (through F.linear) reads them
 well below the machine's bandwidth on this 2-core CPU (docs/benchmarks.md, "Native GEMV"); this kernel
 sweeps W as four side-by-side sequential DRAM streams (four rows at a time, one from each quarter of the
-matrix, two 8-wide FMA accumulators per row) with a masked tail for `in % 8`, on one thread by default
-(THREADS below; more split the rows over torch's OpenMP pool with at::parallel_for).
+matrix, one 8-wide FMA accumulator per weight row and input row, input rows in pairs so each weight load
+serves two) with a masked tail for `in % 8`, its rows split over torch's intra-op threads (THREADS below,
+at::parallel_for).
 The other kernels replace chains of 3-10 small torch ops whose dispatch cost, not their arithmetic,
 dominated the rest of the step (docs/profiling.md).
 
@@ -62,75 +63,108 @@ struct Tail {                 // the last in % 8 columns, loaded under a mask
   }
 };
 
-// One row, the plain way: for the few rows S streams leave over.
+// One row, the plain way: for the few rows the four streams leave over.
 static inline float dot_row(const float* __restrict w, const float* __restrict x, int64_t in, const Tail& t) {
-  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= in; k += 16) {
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
-    b = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), b);
-  }
-  if (k < t.n8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
-  if (t.rem) b = _mm256_fmadd_ps(_mm256_maskload_ps(w + t.n8, t.mask), t.x, b);
-  return hsum8(_mm256_add_ps(a, b));
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t k = 0; k < t.n8; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+  if (t.rem) a = _mm256_fmadd_ps(_mm256_maskload_ps(w + t.n8, t.mask), t.x, a);
+  return hsum8(a);
 }
 
-// Rows [r0, r1) of y = W x (+ bias), W (out, in) row-major with row stride ld.
+// Four weight rows against one input row -> (y0, y1, y2, y3); one 8-wide accumulator per row.
+// NOTE: dot_quad2 sums every (weight row, input row) pair in exactly this order, so an input row gives
+// bit-identical outputs whether it comes alone or with others (a verify step's logits equal a decode's).
+static inline __m128 dot_quad(const float* w0, const float* w1, const float* w2, const float* w3,
+                              const float* __restrict x, const Tail& t) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < t.n8; k += 8) {
+    const __m256 u = _mm256_loadu_ps(x + k);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), u, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), u, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), u, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), u, a3);
+  }
+  if (t.rem) {
+    a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + t.n8, t.mask), t.x, a0);
+    a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + t.n8, t.mask), t.x, a1);
+    a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + t.n8, t.mask), t.x, a2);
+    a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + t.n8, t.mask), t.x, a3);
+  }
+  return hsum4x8(a0, a1, a2, a3);
+}
+
+// Four weight rows against two input rows: each weight vector is loaded once and used twice.
+static inline void dot_quad2(const float* w0, const float* w1, const float* w2, const float* w3,
+                             const float* __restrict xa, const float* __restrict xb, const Tail& ta, const Tail& tb,
+                             __m128* ya, __m128* yb) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < ta.n8; k += 8) {
+    const __m256 u = _mm256_loadu_ps(xa + k), v = _mm256_loadu_ps(xb + k);
+    __m256 w = _mm256_loadu_ps(w0 + k); a0 = _mm256_fmadd_ps(w, u, a0); b0 = _mm256_fmadd_ps(w, v, b0);
+    w = _mm256_loadu_ps(w1 + k); a1 = _mm256_fmadd_ps(w, u, a1); b1 = _mm256_fmadd_ps(w, v, b1);
+    w = _mm256_loadu_ps(w2 + k); a2 = _mm256_fmadd_ps(w, u, a2); b2 = _mm256_fmadd_ps(w, v, b2);
+    w = _mm256_loadu_ps(w3 + k); a3 = _mm256_fmadd_ps(w, u, a3); b3 = _mm256_fmadd_ps(w, v, b3);
+  }
+  if (ta.rem) {
+    __m256 w = _mm256_maskload_ps(w0 + ta.n8, ta.mask); a0 = _mm256_fmadd_ps(w, ta.x, a0); b0 = _mm256_fmadd_ps(w, tb.x, b0);
+    w = _mm256_maskload_ps(w1 + ta.n8, ta.mask); a1 = _mm256_fmadd_ps(w, ta.x, a1); b1 = _mm256_fmadd_ps(w, tb.x, b1);
+    w = _mm256_maskload_ps(w2 + ta.n8, ta.mask); a2 = _mm256_fmadd_ps(w, ta.x, a2); b2 = _mm256_fmadd_ps(w, tb.x, b2);
+    w = _mm256_maskload_ps(w3 + ta.n8, ta.mask); a3 = _mm256_fmadd_ps(w, ta.x, a3); b3 = _mm256_fmadd_ps(w, tb.x, b3);
+  }
+  *ya = hsum4x8(a0, a1, a2, a3);
+  *yb = hsum4x8(b0, b1, b2, b3);
+}
+
+static inline void store_quad(float* y, int64_t i0, int64_t Q, __m128 v) {
+  alignas(16) float s[4];
+  _mm_store_ps(s, v);
+  y[i0] = s[0]; y[i0 + Q] = s[1]; y[i0 + 2 * Q] = s[2]; y[i0 + 3 * Q] = s[3];
+}
+
+// Rows [r0, r1) of Y = X W^T (+ bias) for M input rows: X (M, in) contiguous, Y (M, out), W (out, in)
+// row-major with row stride ld.
 // NOTE: the range is cut into 4 equal quarters read side by side (rows r0 + j, r0 + Q + j, ...), so the core
 // keeps 4 long sequential DRAM streams in flight instead of one: on this CPU one thread then reads
 // 23-27 GB/s against 15-18 for the same loop over consecutive rows (experiments/bench_gemv.py).
-// Two 8-wide accumulators per row: 8 independent FMA chains, x loaded once per 4 rows.
-static void gemv_rows(const float* __restrict w, int64_t ld, const float* __restrict x, const float* bias,
-                      float* __restrict y, int64_t in, int64_t r0, int64_t r1) {
-  const Tail t(x, in);
+// Every weight quad is read from DRAM once for all M rows (pairs of input rows share each load; later
+// pairs find the quad in L1), so a few rows cost little more than one: a verify step's k + 1 tokens, a
+// small decode batch.
+static void gemv_rows(const float* __restrict w, int64_t ld, const float* __restrict x, int64_t M,
+                      const float* bias, float* __restrict y, int64_t out, int64_t in, int64_t r0, int64_t r1) {
+  std::vector<Tail> tails;
+  tails.reserve(M);
+  for (int64_t m = 0; m < M; ++m) tails.emplace_back(x + m * in, in);
   const int64_t Q = (r1 - r0) / 4;
   for (int64_t j = 0; j < Q; ++j) {
-    const int64_t i0 = r0 + j, i1 = i0 + Q, i2 = i1 + Q, i3 = i2 + Q;
-    const float* w0 = w + i0 * ld; const float* w1 = w + i1 * ld; const float* w2 = w + i2 * ld;
-    const float* w3 = w + i3 * ld;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= in; k += 16) {
-      const __m256 xa = _mm256_loadu_ps(x + k), xb = _mm256_loadu_ps(x + k + 8);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xa, a3);
-      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k + 8), xb, b0);
-      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k + 8), xb, b1);
-      b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k + 8), xb, b2);
-      b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k + 8), xb, b3);
+    const int64_t i0 = r0 + j;
+    const float* w0 = w + i0 * ld; const float* w1 = w0 + Q * ld; const float* w2 = w1 + Q * ld;
+    const float* w3 = w2 + Q * ld;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) {
+      __m128 ya, yb;
+      dot_quad2(w0, w1, w2, w3, x + m * in, x + (m + 1) * in, tails[m], tails[m + 1], &ya, &yb);
+      store_quad(y + m * out, i0, Q, ya);
+      store_quad(y + (m + 1) * out, i0, Q, yb);
     }
-    if (k < t.n8) {
-      const __m256 xa = _mm256_loadu_ps(x + k);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xa, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + k), xa, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + k), xa, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + k), xa, a3);
-    }
-    if (t.rem) {
-      b0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + t.n8, t.mask), t.x, b0);
-      b1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + t.n8, t.mask), t.x, b1);
-      b2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + t.n8, t.mask), t.x, b2);
-      b3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + t.n8, t.mask), t.x, b3);
-    }
-    alignas(16) float s[4];
-    _mm_store_ps(s, hsum4x8(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
-                            _mm256_add_ps(a3, b3)));
-    y[i0] = s[0]; y[i1] = s[1]; y[i2] = s[2]; y[i3] = s[3];
+    if (m < M) store_quad(y + m * out, i0, Q, dot_quad(w0, w1, w2, w3, x + m * in, tails[m]));
   }
-  for (int64_t r = r0 + 4 * Q; r < r1; ++r) y[r] = dot_row(w + r * ld, x, in, t);
+  for (int64_t r = r0 + 4 * Q; r < r1; ++r)
+    for (int64_t m = 0; m < M; ++m) y[m * out + r] = dot_row(w + r * ld, x + m * in, in, tails[m]);
   if (bias)
-    for (int64_t r = r0; r < r1; ++r) y[r] += bias[r];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = r0; r < r1; ++r) y[m * out + r] += bias[r];
 }
 
-// x (..., in) with one row in all; w (out, in) with unit stride along `in`; bias (out,) or None -> (..., out).
+// x (..., in) with M rows in all (M <= MAX_GEMV_ROWS); w (out, in) with unit stride along `in`; bias (out,)
+// or None -> (..., out).
 at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv: fp32 only");
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), "gemv: W must be row-major (out, in)");
   const int64_t out = w.size(0), in = w.size(1), ld = w.stride(0);
-  TORCH_CHECK(x.numel() == in, "gemv: x must be one row of ", in, " values");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv: x must have rows of ", in, " values");
+  const int64_t M = x.numel() / in;
+  TORCH_CHECK(M <= 64, "gemv: at most 64 rows (", M, " given); larger batches belong to a GEMM");
   at::Tensor xc = x.contiguous();
   const float* bp = nullptr;
   at::Tensor bc;
@@ -143,15 +177,15 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int6
   sizes.back() = out;
   at::Tensor y = at::empty(sizes, x.options());
   const float* wp = w.data_ptr<float>(); const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
-  // NOTE: max_threads 1 (the default, see THREADS in native_gemv.py) runs on the calling thread; otherwise each
+  // NOTE: max_threads 1 (see THREADS in native_gemv.py) runs on the calling thread; otherwise each
   // thread takes one contiguous block of rows, at least 256 KiB of weight, at most max_threads blocks (0: as
   // many as torch's intra-op threads).
   if (max_threads == 1) {
-    gemv_rows(wp, ld, xp, bp, yp, in, 0, out);
+    gemv_rows(wp, ld, xp, M, bp, yp, out, in, 0, out);
   } else {
     int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
     if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
-    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, bp, yp, in, r0, r1); });
+    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, M, bp, yp, out, in, r0, r1); });
   }
   return y;
 }
@@ -275,6 +309,106 @@ at::Tensor silu_mul(at::Tensor gu) {
   return y;
 }
 
+// Softmax attention of G query heads (q (G, D)) over n keys of one KV head, stored in blocks of bs
+// consecutive D-wide rows: key t at kb[t / bs] + (t % bs) * D, value t likewise in vb (a contiguous cache
+// is one block). out (G, D); s: room for n scores. Scores, max, exp and sums in fp32.
+// NOTE: every key is scored on its own and values are summed in pairs of keys within a block, so for an
+// even bs the result is bit-identical to the same keys in one block: a paged decode equals `ar`'s.
+static void attend_kv_head(const float* q, int64_t G, int64_t D, const float* const* kb, const float* const* vb,
+                           int64_t bs, int64_t n, float sc, float* out, float* s) {
+  const int64_t nb = (n + bs - 1) / bs;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float* kj = kb[j]; float* sj = s + j * bs;
+      const int64_t m = std::min(bs, n - j * bs);
+      int64_t t = 0;
+      for (; t + 4 <= m; t += 4) {
+        const float* k0 = kj + t * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + d);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + d), qv, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + D + d), qv, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * D + d), qv, a2);
+          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * D + d), qv, a3);
+        }
+        _mm_storeu_ps(sj + t, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm_set1_ps(sc)));
+      }
+      for (; t < m; ++t) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + t * D + d), _mm256_loadu_ps(qg + d), a);
+        sj[t] = hsum8(a) * sc;
+      }
+    }
+    float mx = s[0];
+    for (int64_t t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+      _mm256_storeu_ps(s + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+    float* og = out + g * D;
+    const __m256 iv = _mm256_set1_ps(1.f / sum);
+    int64_t d0 = 0;
+    // NOTE: a 32-wide slice of D at a time, two keys per iteration: 8 named accumulators (independent FMA
+    // chains; an indexed array of them would live on the stack).
+    for (; d0 + 32 <= D; d0 += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nb; ++j) {
+        const float* vj = vb[j] + d0; const float* sj = s + j * bs;
+        const int64_t m = std::min(bs, n - j * bs);
+        int64_t u = 0;
+        for (; u + 2 <= m; u += 2) {
+          const __m256 p = _mm256_broadcast_ss(sj + u), r = _mm256_broadcast_ss(sj + u + 1);
+          const float* vt = vj + u * D; const float* vu = vt + D;
+          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
+          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
+          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
+          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
+          b0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu), b0);
+          b1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 8), b1);
+          b2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 16), b2);
+          b3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 24), b3);
+        }
+        if (u < m) {
+          const __m256 p = _mm256_broadcast_ss(sj + u);
+          const float* vt = vj + u * D;
+          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
+          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
+          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
+          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
+        }
+      }
+      _mm256_storeu_ps(og + d0, _mm256_mul_ps(_mm256_add_ps(a0, b0), iv));
+      _mm256_storeu_ps(og + d0 + 8, _mm256_mul_ps(_mm256_add_ps(a1, b1), iv));
+      _mm256_storeu_ps(og + d0 + 16, _mm256_mul_ps(_mm256_add_ps(a2, b2), iv));
+      _mm256_storeu_ps(og + d0 + 24, _mm256_mul_ps(_mm256_add_ps(a3, b3), iv));
+    }
+    for (; d0 < D; d0 += 8) {
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t m = std::min(bs, n - j * bs);
+        for (int64_t u = 0; u < m; ++u)
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j * bs + u), _mm256_loadu_ps(vb[j] + u * D + d0), a0);
+      }
+      _mm256_storeu_ps(og + d0, _mm256_mul_ps(a0, iv));
+    }
+  }
+}
+
+// NOTE: little work (a decode over a short context) stays on one thread: waking another costs more than the
+// few microseconds saved.
+static inline int64_t attention_grain(int64_t items, int64_t keys_per_item, int64_t G, int64_t D) {
+  return items * keys_per_item * G * D >= (int64_t(1) << 18) ? 1 : std::max<int64_t>(items, 1);
+}
+
 // One decode token of one sequence on a contiguous KV cache: write k, v at `pos`, attend q over keys [0, pos].
 // q (..., Hq, D), k/v (..., Hkv, D) of this token; k_cache/v_cache (Hkv, L, D) contiguous -> out shaped as q.
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
@@ -296,86 +430,52 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
     std::memcpy(vcp + (h * L + pos) * D, vc.data_ptr<float>() + h * D, D * sizeof(float));
   }
   const float sc = float(scale);
-  // NOTE: short contexts stay on one thread: waking the other costs more than the few microseconds saved.
-  const int64_t grain = n * G * D >= (int64_t(1) << 16) ? 1 : H;
-  at::parallel_for(0, H, grain, [&](int64_t h0, int64_t h1) {
+  at::parallel_for(0, H, attention_grain(H, n, G, D), [&](int64_t h0, int64_t h1) {
     std::vector<float> scores(n);
     for (int64_t h = h0; h < h1; ++h) {
       const float* kh = kcp + h * L * D; const float* vh = vcp + h * L * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qp + (h * G + g) * D;
-        float* s = scores.data();
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-          const float* k0 = kh + t * D;
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qg + d);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + d), qv, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + D + d), qv, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * D + d), qv, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * D + d), qv, a3);
-          }
-          _mm_storeu_ps(s + t, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm_set1_ps(sc)));
-        }
-        for (; t < n; ++t) {
-          __m256 a = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(kh + t * D + d), _mm256_loadu_ps(qg + d), a);
-          s[t] = hsum8(a) * sc;
-        }
-        float mx = s[0];
-        for (t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
-        const __m256 mv = _mm256_set1_ps(mx);
-        __m256 sv = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= n; t += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-          _mm256_storeu_ps(s + t, e);
-          sv = _mm256_add_ps(sv, e);
-        }
-        float sum = hsum8(sv);
-        for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-        float* og = op + (h * G + g) * D;
-        const __m256 iv = _mm256_set1_ps(1.f / sum);
-        int64_t d0 = 0;
-        // NOTE: a 32-wide slice of D at a time, two keys per iteration: 8 named accumulators (independent FMA
-        // chains; an indexed array of them would live on the stack).
-        for (; d0 + 32 <= D; d0 += 32) {
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-          __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-          for (t = 0; t + 2 <= n; t += 2) {
-            const __m256 p = _mm256_broadcast_ss(s + t), r = _mm256_broadcast_ss(s + t + 1);
-            const float* vt = vh + t * D + d0; const float* vu = vt + D;
-            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
-            b0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu), b0);
-            b1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 8), b1);
-            b2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 16), b2);
-            b3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 24), b3);
-          }
-          if (t < n) {
-            const __m256 p = _mm256_broadcast_ss(s + t);
-            const float* vt = vh + t * D + d0;
-            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
-            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
-            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
-            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
-          }
-          _mm256_storeu_ps(og + d0, _mm256_mul_ps(_mm256_add_ps(a0, b0), iv));
-          _mm256_storeu_ps(og + d0 + 8, _mm256_mul_ps(_mm256_add_ps(a1, b1), iv));
-          _mm256_storeu_ps(og + d0 + 16, _mm256_mul_ps(_mm256_add_ps(a2, b2), iv));
-          _mm256_storeu_ps(og + d0 + 24, _mm256_mul_ps(_mm256_add_ps(a3, b3), iv));
-        }
-        for (; d0 < D; d0 += 8) {
-          __m256 a0 = _mm256_setzero_ps();
-          for (t = 0; t < n; ++t) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + t), _mm256_loadu_ps(vh + t * D + d0), a0);
-          _mm256_storeu_ps(og + d0, _mm256_mul_ps(a0, iv));
-        }
-      }
+      attend_kv_head(qp + h * G * D, G, D, &kh, &vh, L, n, sc, op + h * G * D, scores.data());
     }
   });
   return out;
+}
+
+// Many queries over paged KV: row b attends its lens[b] first keys through its block table (a decode, or one
+// token of a verify step). q (B, Hkv, G, D); k/v stores (Hkv, num_blocks, block_size, D); tables
+// (B, max_blocks) int64; lens (B,) int64 -> out (B, Hkv, G, D). fp32, contiguous.
+void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor lens, double scale,
+                  at::Tensor out) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous() && tables.is_contiguous() && lens.is_contiguous() && k.sizes() == v.sizes() &&
+              out.sizes() == q.sizes(), "paged_decode: contiguous q/out (B, Hkv, G, D), stores (Hkv, NB, bs, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && tables.scalar_type() == at::kLong &&
+              lens.scalar_type() == at::kLong, "paged_decode: fp32 tensors, int64 tables and lens");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t NB = k.size(1), bs = k.size(2), max_nb = tables.size(1);
+  TORCH_CHECK(D % 8 == 0 && k.size(0) == H && k.size(3) == D, "paged_decode: head_dim must be a multiple of 8");
+  const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
+  const int64_t* tp = tables.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_nb * bs, "paged_decode: row ", b, " has ", lp[b], " keys for ", max_nb,
+                " blocks of ", bs);
+    max_len = std::max(max_len, lp[b]);
+  }
+  const float sc = float(scale);
+  at::parallel_for(0, B * H, attention_grain(B * H, max_len, G, D), [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(max_len);
+    std::vector<const float*> kb(max_nb), vb(max_nb);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      for (int64_t j = 0; j * bs < lp[b]; ++j) {
+        const int64_t block = tp[b * max_nb + j];
+        kb[j] = kp + (h * NB + block) * bs * D;
+        vb[j] = vp + (h * NB + block) * bs * D;
+      }
+      attend_kv_head(qp + i * G * D, G, D, kb.data(), vb.data(), bs, lp[b], sc, op + i * G * D, scores.data());
+    }
+  });
 }
 
 // NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
@@ -388,16 +488,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, release());
   m.def("silu_mul", &silu_mul, release());
   m.def("decode_attention", &decode_attention, release());
+  m.def("paged_decode", &paged_decode, release());
 }
 """
 
 AVAILABLE: bool = False            # True once load_kernel() has built (or loaded) the extension
-# NOTE: threads per GEMV. One core's four streams already read ~24-26 GB/s here, about all the memory system
-# gives (23-28 GB/s copy, up to 29 read with both cores); a second thread measured no faster on any of
-# SmolLM2's shapes and slower on the small ones (starting and joining it is a visible share of a 50-150 us
-# call), so by default the GEMV stays on the calling thread (docs/benchmarks.md). LAB_GEMV_THREADS=N allows
-# N (0: torch's thread count).
-THREADS = int(os.environ.get("LAB_GEMV_THREADS", "1"))
+# NOTE: threads per GEMV; 0 (the default): torch's intra-op thread count, so `threads=1` runs keep it on the
+# calling thread. With OMP_WAIT_POLICY=PASSIVE a second thread measured no faster (waking it is a visible
+# share of a 50-150 us call); with OpenMP's default spin-wait it reads the weights ~1.3x faster at one row
+# (ar 45.8 vs 32.2 tok/s at 2 threads) and ~1.6x at five rows, where one core is compute-bound
+# (docs/benchmarks.md). LAB_GEMV_THREADS=N caps it at N.
+THREADS = int(os.environ.get("LAB_GEMV_THREADS", "0"))
 _KERNEL: Any = None                # the extension while enabled
 _BUILT: Any = None                 # the extension once built (kept while disabled)
 _KERNEL_ERROR: str | None = None
@@ -455,7 +556,8 @@ def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) holding one row, weight (out, in) with unit stride along `in` -> (..., out). Needs the kernel."""
+    """x (..., in) holding 1-64 rows, weight (out, in) with unit stride along `in` -> (..., out); each row's
+    result is bit-identical whatever the other rows. Needs the kernel."""
     return _KERNEL.gemv(x, weight, bias, THREADS)
 
 

@@ -1,16 +1,19 @@
 """Linear layers with a second copy of their weight prepacked for batched GEMM on CPU (oneDNN, fp32).
 
-Owns: choosing per call between the module's own weight, the packed copy and the native GEMV. One row
-(batch-1 decode) goes to lab/models/native_gemv.py's kernel on the module's own (out, in) row-major
-weight when the kernel is built; without it, to F.linear, i.e. MKL's gemv on the column-major layout
-ModelRunner then sets (DecoderModel.use_column_major_weights). Two rows or more (batched decode, prefill)
-go to oneDNN's matmul on a blocked copy made once.
+Owns: choosing per call between the module's own weight, the packed copy and the native GEMV. Up to
+NATIVE_MAX_ROWS rows (batch-1 decode, a verify step's k + 1 tokens, a small decode batch) go to
+lab/models/native_gemv.py's kernel on the module's own (out, in) row-major weight when the kernel is
+built; without it, one row goes to F.linear, i.e. MKL's gemv on the column-major layout ModelRunner then
+sets (DecoderModel.use_column_major_weights). More rows (batched decode, prefill) go to oneDNN's matmul on
+a blocked copy made once.
 Ignores: what the layers compute; the state dict (the copy is a plain attribute, never saved).
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
 53 / 63; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
-the column-major weight and 11-18 on the row-major one. docs/benchmarks.md, docs/profiling.md.
+the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 rows a native call costs ~1.05 /
+1.5 / 1.9 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.6-3.9 for oneDNN (experiments/bench_gemv.py --rows).
+docs/benchmarks.md, docs/profiling.md.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from lab.models import native_gemv
 
 # NOTE: oneDNN picks its blocked layout for a typical row count; any count >= 8 measured the same.
 PACK_BATCH_HINT = 64
+# NOTE: the native kernel reads each weight once for all rows and stays ahead of oneDNN up to 8 rows here.
+NATIVE_MAX_ROWS = 8
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -31,8 +36,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear whose forward uses `packed` (oneDNN layout) for inputs of two rows or more and the native
-    GEMV for one row."""
+    """nn.Linear whose forward uses the native GEMV for inputs of up to NATIVE_MAX_ROWS rows and `packed`
+    (oneDNN layout) for more."""
 
     packed: torch.Tensor | None = None
     _packed_key: tuple[int, int] = (0, -1)   # (data_ptr, version) of the weight the copy was made from
@@ -51,7 +56,7 @@ class PackedLinear(nn.Linear):
         # training) takes F.linear too. The GEMV reads the live weight (no copy, so never stale) and needs
         # it row-major: a column-major weight (no kernel at load time) stays on MKL.
         weight = self.weight
-        if (x.numel() == self.in_features and native_gemv.AVAILABLE and weight.stride(-1) == 1
+        if (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and native_gemv.AVAILABLE and weight.stride(-1) == 1
                 and x.dtype == weight.dtype == torch.float32 and x.is_cpu
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             return native_gemv.gemv(x, weight, self.bias)
