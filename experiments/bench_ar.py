@@ -87,6 +87,7 @@ class LlamaCppDecoder:
                          n_batch=max_len, verbose=False)
 
     def run(self, prompt_token_ids: list[int], num_new_tokens: int, samples: Samples) -> None:
+        self.llm.reset()  # NOTE: otherwise generate() reuses the previous run's prompt KV and TTFT means nothing
         start, times, tokens = time.perf_counter(), [], []
         # NOTE: generate() never stops by itself (no EOS check), so every run yields num_new_tokens tokens.
         for token in self.llm.generate(prompt_token_ids, top_k=1, temp=0.0, reset=True):

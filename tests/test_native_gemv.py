@@ -168,6 +168,43 @@ def test_fallback_when_forced_off(kernel_off: None, count_gemv: list[int]) -> No
 
 
 @needs_kernel
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qkv_bias"])
+def test_fused_decode_layers_are_bit_identical_to_the_module_path(attention_bias: bool) -> None:
+    """Batch-1 decode on the contiguous cache runs all layers in one native call (decode_layers); the logits
+    and the cache must equal the per-module path's exactly, step after step."""
+    source = tiny(seed=3, num_hidden_layers=3, with_tokenizer=False, vocab_size=96,
+                  model_type="qwen2" if attention_bias else "llama")
+    runners = [ModelRunner(source, dtype="float32", device="cpu") for _ in range(2)]
+    fused, modules = runners
+    modules.model._fused_layers = []                     # NOTE: [] = the fused path is off for this model
+    calls = [0]
+    real = native_gemv.decode_layers
+
+    def counting(*args: object) -> torch.Tensor:
+        calls[0] += 1
+        return real(*args)
+
+    caches = [r.allocate_kv_cache(1, 64) for r in runners]
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for runner, cache in zip(runners, caches):
+        cache.begin_forward(0, prompt.shape[1])
+        logits.append(runner.execute(prompt, torch.arange(9)[None], cache))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_gemv, "decode_layers", counting)
+        for position in range(9, 30):
+            token = logits[0].argmax(-1, keepdim=True)                              # (1, 1)
+            logits = []
+            for runner, cache in zip(runners, caches):
+                cache.begin_forward(position, 1)
+                logits.append(runner.execute(token, torch.tensor([[position]]), cache))
+            assert torch.equal(logits[0], logits[1]), f"step at position {position}"
+    assert calls[0] == 21, "every decode step of the fused runner takes the one-call path"
+    for layer in range(3):
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+
+
+@needs_kernel
 @pytest.mark.parametrize("hidden", [1, 7, 8, 13, 64, 576])
 def test_rms_norm_and_silu_mul_match_torch(hidden: int) -> None:
     generator = torch.Generator().manual_seed(hidden)

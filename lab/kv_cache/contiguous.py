@@ -31,6 +31,7 @@ class ContiguousKVCache:
                                and torch.device(device).type == "cpu")
         self._scale = 1 / math.sqrt(head_dim)
         self._rows = [(k[0], v[0]) for k, v in zip(self.k, self.v)] if self._native_decode else []  # (Hkv, L, D)
+        self._row_lists = ([k for k, _ in self._rows], [v for _, v in self._rows])
 
     @property
     def num_bytes(self) -> int:
@@ -63,6 +64,13 @@ class ContiguousKVCache:
             # NOTE: a padding query sees itself, so its row is never fully masked (SDPA would give NaN).
             mask = mask | (key_pos == query_pos)[None, None]
         return mask
+
+    def native_decode_rows(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Per layer (Hkv, L, D) keys and values for a native one-token decode at `start`, when this forward is
+        one (batch 1, one token, no padding, fp32 on CPU); else None."""
+        if self.num_tokens == 1 and self._native_decode and self.key_padding is None:
+            return self._row_lists
+        return None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + self.num_tokens

@@ -15,6 +15,7 @@ from torch import nn
 
 from lab.errors import LabError
 from lab.kv_cache.base import AttentionCache
+from lab.kv_cache.contiguous import ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
 from lab.models.rope import RotaryEmbedding, apply_rope
@@ -111,13 +112,41 @@ class DecoderModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._fused_layers: list[list[torch.Tensor]] | None = None   # built on first use (forward)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
         cos, sin = self.rotary(positions)      # (B, T, 1, D)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache)
+        rows = cache.native_decode_rows() if isinstance(cache, ContiguousKVCache) and native_gemv.usable(x) else None
+        layers = self._native_decode_layers() if rows is not None else None
+        if layers is not None:
+            # NOTE: batch-1 decode on the contiguous cache: all layers in one native call, the same kernels in
+            # the same order as the loop below (bit-identical), without the Python between them (~20 % of
+            # the step; docs/benchmarks.md).
+            c = self.config
+            x = native_gemv.decode_layers(x, layers, rows[0], rows[1], cos, sin, cache.start, c.num_heads,
+                                          c.num_kv_heads, self.norm.eps, c.head_dim ** -0.5)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, cache)
         return self.norm(x)
+
+    def _native_decode_layers(self) -> list[list[torch.Tensor]] | None:
+        """Per layer the 7 tensors native_gemv.decode_layers reads, or None where the fused path cannot run
+        (q/k norms, non-fp32 weights, or a weight not row-major)."""
+        if self._fused_layers is None:
+            layers: list[list[torch.Tensor]] = []
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                bias = attn.qkv_proj.bias if attn.qkv_proj.bias is not None else torch.empty(0)
+                layers.append([layer.input_layernorm.weight, attn.qkv_proj.weight, bias, attn.o_proj.weight,
+                               layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight,
+                               mlp.down_proj.weight])
+            fits = not self.config.use_qk_norm and all(
+                t.dtype == torch.float32 and t.is_cpu and (t.dim() < 2 or t.stride(-1) == 1)
+                for tensors in layers for t in tensors)
+            self._fused_layers = layers if fits else []
+        return self._fused_layers or None
 
     def forward_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                               feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +176,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), strides (1, out)
+        self._fused_layers = None
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF parameter names (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""

@@ -478,6 +478,35 @@ void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, a
   });
 }
 
+// The decoder layers of one batch-1 decode token in one call: the same kernels, in the same order, as
+// DecoderModel's per-module path (bit-identical), without ~25 Python-level ops per layer between them.
+// x (1, 1, H): the embedded token. layers[i] = {input_norm (H), qkv_w, qkv_b (numel 0: none), o_w, post_norm (H),
+// gate_up_w, down_w}; k_rows[i], v_rows[i] (Hkv, L, D) contiguous caches; cos, sin (1, 1, 1, D) of the token's
+// position `pos`. Returns the residual stream after the last layer, (1, 1, H), before the final norm.
+at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> layers, std::vector<at::Tensor> k_rows,
+                         std::vector<at::Tensor> v_rows, at::Tensor cos, at::Tensor sin, int64_t pos,
+                         int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t max_threads) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.size(1) == 1, "decode_layers: x must be (1, 1, H)");
+  TORCH_CHECK(k_rows.size() == layers.size() && v_rows.size() == layers.size(), "decode_layers: one cache per layer");
+  const int64_t D = k_rows.empty() ? 0 : k_rows[0].size(2), qk_size = (num_heads + num_kv_heads) * D;
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::vector<at::Tensor>& p = layers[i];
+    TORCH_CHECK(p.size() == 7, "decode_layers: 7 tensors per layer");
+    const c10::optional<at::Tensor> qkv_bias = p[2].numel() ? c10::optional<at::Tensor>(p[2]) : c10::nullopt;
+    at::Tensor qkv = gemv(rms_norm(h, p[0], eps), p[1], qkv_bias, max_threads);                   // (1, 1, Nqkv)
+    at::Tensor qk = rope(qkv.narrow(-1, 0, qk_size).view({1, 1, num_heads + num_kv_heads, D}), cos, sin);
+    at::Tensor v = qkv.narrow(-1, qk_size, num_kv_heads * D).view({1, 1, num_kv_heads, D});
+    at::Tensor attn = decode_attention(qk.narrow(2, 0, num_heads), qk.narrow(2, num_heads, num_kv_heads), v,
+                                       k_rows[i], v_rows[i], pos, scale);                          // (1, 1, Hq, D)
+    at::Tensor o = gemv(attn.reshape({1, 1, num_heads * D}), p[3], c10::nullopt, max_threads);
+    std::vector<at::Tensor> sum_normed = add_rms_norm(h, o, p[4], eps);
+    at::Tensor gate_up = gemv(sum_normed[1], p[5], c10::nullopt, max_threads);
+    h = at::add(sum_normed[0], gemv(silu_mul(gate_up), p[6], c10::nullopt, max_threads));
+  }
+  return h;
+}
+
 // NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
 // thread-mode workers are not serialised on it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -489,6 +518,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, release());
   m.def("decode_attention", &decode_attention, release());
   m.def("paged_decode", &paged_decode, release());
+  m.def("decode_layers", &decode_layers, release());
 }
 """
 
@@ -588,3 +618,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     """One token of one sequence: store k, v (..., Hkv, D) at `position` of k_cache/v_cache (Hkv, L, D),
     then softmax-attend q (..., Hq, D) over keys [0, position] (GQA) -> shaped as q."""
     return _KERNEL.decode_attention(q, k, v, k_cache, v_cache, position, scale)
+
+
+def decode_layers(x: torch.Tensor, layers: list[list[torch.Tensor]], k_rows: list[torch.Tensor],
+                  v_rows: list[torch.Tensor], cos: torch.Tensor, signed_sin: torch.Tensor, position: int,
+                  num_heads: int, num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
+    """Every decoder layer for one batch-1 decode token in one call: x (1, 1, H) -> (1, 1, H). `layers`: per layer
+    [input_norm, qkv_w, qkv_b (empty: none), o_w, post_norm, gate_up_w, down_w]; k_rows/v_rows (Hkv, L, D)."""
+    return _KERNEL.decode_layers(x, layers, k_rows, v_rows, cos, signed_sin, position, num_heads, num_kv_heads,
+                                 eps, scale, THREADS)
