@@ -1,6 +1,6 @@
 """The native fp32 batch-1 decode kernels (lab/models/native_gemv.py: GEMV on one row or a few, RMSNorm, add +
 RMSNorm, RoPE, SiLU-and-mul, decode attention on a contiguous cache) match torch, a row's GEMV result does not
-depend on the other rows, PackedLinear sends inputs of up to 8 rows to the GEMV, and everything
+depend on the other rows, PackedLinear sends inputs of up to NATIVE_MAX_ROWS rows to the GEMV, and everything
 still works with the kernels forced off (F.linear on MKL, column-major weights, SDPA).
 
 The kernel is compiled on first use (a minute on a loaded 2-core machine, then cached), so the tests that
@@ -122,7 +122,7 @@ def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = Tr
 
 
 @needs_kernel
-def test_packed_linear_sends_up_to_eight_rows_to_the_kernel(count_gemv: list[int]) -> None:
+def test_packed_linear_sends_a_few_rows_to_the_kernel(count_gemv: list[int]) -> None:
     layer = _packed_layer()
     x = torch.randn(1, 1, layer.in_features)
     with torch.inference_mode():

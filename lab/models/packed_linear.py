@@ -11,8 +11,9 @@ Ignores: what the layers compute; the state dict (the copy is a plain attribute,
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
 53 / 63; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
-the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 rows a native call costs ~1.05 /
-1.5 / 1.9 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.6-3.9 for oneDNN (experiments/bench_gemv.py --rows).
+the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 / 12 rows a native call costs ~1.05 /
+1.5 / 2.0 / 2.7 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.4-3.9 / 3.1-3.9 for oneDNN
+(experiments/bench_gemv.py --rows).
 docs/benchmarks.md, docs/profiling.md.
 """
 
@@ -26,8 +27,9 @@ from lab.models import native_gemv
 
 # NOTE: oneDNN picks its blocked layout for a typical row count; any count >= 8 measured the same.
 PACK_BATCH_HINT = 64
-# NOTE: the native kernel reads each weight once for all rows and stays ahead of oneDNN up to 8 rows here.
-NATIVE_MAX_ROWS = 8
+# NOTE: the native kernel reads each weight once for all rows; it stays ahead of oneDNN up to ~12 rows here
+# (2.5-3.9 one-row calls at 12 against 3.1-3.9; even at 16, behind at 24): a verify step of 4 requests x 3.
+NATIVE_MAX_ROWS = 12
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
