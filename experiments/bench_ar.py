@@ -79,7 +79,11 @@ class LlamaCppDecoder:
     name = "llama.cpp"
 
     def __init__(self, threads: int, max_len: int) -> None:
-        from llama_cpp import Llama
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise SystemExit("--llama-cpp needs llama-cpp-python: `pip install llama-cpp-python` (compiles "
+                             "llama.cpp, ~10 min), or drop --llama-cpp") from exc
 
         from lab.models.gguf_export import smollm2_f32_gguf
 
