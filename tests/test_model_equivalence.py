@@ -75,7 +75,10 @@ def test_chunked_prefill_over_cache_matches_single_prefill(tiny_runner: ModelRun
         cache.begin_forward(start, end - start)
         parts.append(tiny_runner.execute(input_ids[:, start:end], positions[:, start:end], cache, logits_index=None))
     diff = (torch.cat(parts, dim=1) - whole).abs().max()
-    assert diff <= 1e-5, f"chunked prefill differs by {diff:.2e}"
+    # NOTE: relative to the logits' scale: chunks of <= 12 rows run the native GEMV, the 30-row prefill oneDNN,
+    # so only fp32 summation order differs.
+    scale = float(whole.abs().max().clamp(min=1))
+    assert diff <= 1e-6 * scale + 1e-5, f"chunked prefill differs by {diff:.2e} (logits up to {scale:.1f})"
 
 
 def test_left_padded_rows_match_unpadded(tiny_runner: ModelRunner) -> None:

@@ -3,8 +3,10 @@ distribution exactly (chi-square on a small vocabulary, fixed seeds); n-gram loo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from lab.errors import LabError
 from lab.request import SamplingParams
 from lab.sample.rejection import RejectionSampler
 from lab.sample.sampler import make_generator
@@ -75,3 +77,12 @@ def test_ngram_proposes_what_followed_the_last_match() -> None:
     assert proposer.propose_one(context, 3) == [8, 9, 1]
     assert proposer.propose_one([1, 2, 3], 2) == []
     assert proposer.propose_one([4, 1, 2, 4, 1, 3, 4, 1], 2) == [3, 4]  # most recent match wins
+
+
+def test_ngram_drafts_fewer_tokens_on_short_matches() -> None:
+    proposer = NgramProposer(min_n=1, max_n=4, short_match_tokens=1, long_match_n=3)
+    assert proposer.propose_one([5, 6, 7, 8, 9, 1, 5, 6, 7], 4) == [8, 9, 1, 5]   # a 3-token match: k tokens
+    assert proposer.propose_one([5, 6, 7, 8, 9, 1, 2, 6, 7], 4) == [8]            # a 2-token match: 1 token
+    assert proposer.propose_one([3, 9, 9, 9, 8, 7], 4) == []
+    with pytest.raises(LabError, match="short_match_tokens"):
+        NgramProposer(short_match_tokens=0)

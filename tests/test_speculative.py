@@ -37,6 +37,7 @@ def _proposers(tiny_source) -> dict:
         "random_draft": DraftModelProposerConfig(source=tiny(seed=7, vocab_size=128, with_tokenizer=False)),
         "layerskip": LayerSkipProposerConfig(num_layers=1),
         "ngram": NgramProposerConfig(min_n=1, max_n=3),
+        "ngram_short_matches": NgramProposerConfig(min_n=1, max_n=3, short_match_tokens=1, long_match_n=2),
     }
 
 
@@ -45,7 +46,8 @@ def _ar_outputs(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) 
 
 
 @pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
-                                                   ("random_draft", 4), ("layerskip", 1), ("ngram", 4)])
+                                                   ("random_draft", 4), ("layerskip", 1), ("ngram", 4),
+                                                   ("ngram_short_matches", 4)])
 def test_greedy_speculation_is_lossless_on_tiny(proposer: str, max_num_seqs: int, tiny_source,
                                                 tiny_runner: ModelRunner) -> None:
     prompts = _repetitive_prompts(5, seed=1)

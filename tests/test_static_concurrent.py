@@ -80,7 +80,11 @@ def test_left_padding_does_not_change_any_rows_logits(tiny_runner: ModelRunner) 
                                              torch.tensor([[len(prompt) + step]]), cache, logits_index=None))
         diff = max((batched[0][row, width - len(prompt):] - alone[0][0]).abs().max(),
                    *((b[row] - a[0]).abs().max() for b, a in zip(batched[1:], alone[1:])))
-        assert diff <= 1e-5, f"row {row} ({len(prompt)} tokens, {width - len(prompt)} padding): max diff {diff:.2e}"
+        # NOTE: relative to the logits' scale: the padded batch and the lone row can take different GEMM kernels
+        # (native GEMV up to 12 rows, oneDNN above), so fp32 summation order may differ.
+        scale = float(alone[0].abs().max().clamp(min=1))
+        assert diff <= 1e-6 * scale + 1e-5, (f"row {row} ({len(prompt)} tokens, {width - len(prompt)} padding): "
+                                             f"max diff {diff:.2e} (logits up to {scale:.1f})")
 
 
 def test_static_counts_padding_and_finished_row_waste_and_shares_step_times(tiny_runner: ModelRunner) -> None:

@@ -117,7 +117,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
         cos, sin = self.rotary(positions)      # (B, T, 1, D)
-        rows = cache.native_decode_rows() if isinstance(cache, ContiguousKVCache) and native_gemv.usable(x) else None
+        fused = isinstance(cache, ContiguousKVCache) and native_gemv.usable(x, self.embed_tokens.weight)
+        rows = cache.native_decode_rows() if fused else None
         layers = self._native_decode_layers() if rows is not None else None
         if layers is not None:
             # NOTE: batch-1 decode on the contiguous cache: all layers in one native call, the same kernels in

@@ -16,8 +16,8 @@ class NgramDraftProposer:
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.lookup = NgramProposer(min_n, max_n)
+    def __init__(self, min_n: int, max_n: int, short_match_tokens: int | None = None, long_match_n: int = 3) -> None:
+        self.lookup = NgramProposer(min_n, max_n, short_match_tokens, long_match_n)
 
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
@@ -34,6 +34,8 @@ class NgramDraftProposer:
 class NgramProposerConfig:
     min_n: int = 1
     max_n: int = 4
+    short_match_tokens: int | None = None   # matches shorter than long_match_n draft at most this many
+    long_match_n: int = 3
 
     def build(self, target: object, num_blocks: int, block_size: int) -> NgramDraftProposer:
-        return NgramDraftProposer(self.min_n, self.max_n)
+        return NgramDraftProposer(self.min_n, self.max_n, self.short_match_tokens, self.long_match_n)
