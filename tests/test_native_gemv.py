@@ -201,7 +201,8 @@ def test_fused_decode_layers_are_bit_identical_to_the_module_path(attention_bias
             assert torch.equal(logits[0], logits[1]), f"step at position {position}"
     assert calls[0] == 21, "every decode step of the fused runner takes the one-call path"
     for layer in range(3):
-        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer])
+        assert torch.equal(caches[0].v[layer], caches[1].v[layer])
 
 
 @needs_kernel
