@@ -45,6 +45,13 @@ class Samples:
     ttft_ms: list[float] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
 
+    def record(self, start: float, token_times: list[float], token_ids: list[int]) -> None:
+        """One run: `start` when it was scheduled, then each output token's timestamp."""
+        self.decode_tok_s.append((len(token_times) - 1) / (token_times[-1] - token_times[0]))
+        self.e2e_tok_s.append(len(token_times) / (token_times[-1] - start))
+        self.ttft_ms.append((token_times[0] - start) * 1e3)
+        self.output_token_ids = list(token_ids)
+
 
 @dataclass(slots=True)
 class DtypeResult:
@@ -99,10 +106,7 @@ class LlamaCppDecoder:
             tokens.append(int(token))
             if len(tokens) == num_new_tokens:
                 break
-        samples.decode_tok_s.append((len(times) - 1) / (times[-1] - times[0]))
-        samples.e2e_tok_s.append(len(times) / (times[-1] - start))
-        samples.ttft_ms.append((times[0] - start) * 1e3)
-        samples.output_token_ids = tokens
+        samples.record(start, times, tokens)
 
 
 def run_once(engine: Engine | LlamaCppDecoder, prompt_token_ids: list[int], num_new_tokens: int,
@@ -125,11 +129,7 @@ def _run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, 
     engine.run([request])
     if request.error or request.num_output_tokens != num_new_tokens:
         raise RuntimeError(f"{engine.name}: {request.num_output_tokens} tokens, error={request.error}")
-    times = request.token_times
-    samples.decode_tok_s.append((len(times) - 1) / (times[-1] - times[0]))
-    samples.e2e_tok_s.append(len(times) / (times[-1] - request.first_scheduled_time))
-    samples.ttft_ms.append((times[0] - request.first_scheduled_time) * 1e3)
-    samples.output_token_ids = request.output_token_ids
+    samples.record(request.first_scheduled_time, request.token_times, request.output_token_ids)
 
 
 def row_major_runner(dtype: str) -> ModelRunner:

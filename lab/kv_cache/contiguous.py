@@ -30,8 +30,9 @@ class ContiguousKVCache:
         self._native_decode = (batch_size == 1 and head_dim % 8 == 0 and dtype == torch.float32
                                and torch.device(device).type == "cpu")
         self._scale = 1 / math.sqrt(head_dim)
-        self._rows = [(k[0], v[0]) for k, v in zip(self.k, self.v)] if self._native_decode else []  # (Hkv, L, D)
-        self._row_lists = ([k for k, _ in self._rows], [v for _, v in self._rows])
+        # NOTE: the batch row's (Hkv, L, D) views, made once: what the native decode kernels take.
+        self._k_rows = [k[0] for k in self.k] if self._native_decode else []
+        self._v_rows = [v[0] for v in self.v] if self._native_decode else []
 
     @property
     def num_bytes(self) -> int:
@@ -69,15 +70,15 @@ class ContiguousKVCache:
         """Per layer (Hkv, L, D) keys and values for a native one-token decode at `start`, when this forward is
         one (batch 1, one token, no padding, fp32 on CPU); else None."""
         if self.num_tokens == 1 and self._native_decode and self.key_padding is None:
-            return self._row_lists
+            return self._k_rows, self._v_rows
         return None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         end = self.start + self.num_tokens
         k_cache, v_cache = self.k[layer_idx], self.v[layer_idx]
         if self.num_tokens == 1 and self._native_decode and self.key_padding is None and native_gemv.usable(q):
-            k_rows, v_rows = self._rows[layer_idx]
-            return native_gemv.decode_attention(q, k, v, k_rows, v_rows, self.start, self._scale)
+            return native_gemv.decode_attention(q, k, v, self._k_rows[layer_idx], self._v_rows[layer_idx], self.start,
+                                                self._scale)
         # NOTE: narrow + copy_ rather than slice assignment: Python indexing costs more than the copy at T = 1.
         k_cache.narrow(2, self.start, self.num_tokens).copy_(k.transpose(1, 2))
         v_cache.narrow(2, self.start, self.num_tokens).copy_(v.transpose(1, 2))

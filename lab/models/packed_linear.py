@@ -58,9 +58,8 @@ class PackedLinear(nn.Linear):
         # training) takes F.linear too. The GEMV reads the live weight (no copy, so never stale) and needs
         # it row-major: a column-major weight (no kernel at load time) stays on MKL.
         weight = self.weight
-        if (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and native_gemv.AVAILABLE and weight.stride(-1) == 1
-                and x.dtype == weight.dtype == torch.float32 and x.is_cpu
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        if (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and weight.stride(-1) == 1
+                and weight.dtype == torch.float32 and native_gemv.usable(x, weight)):
             return native_gemv.gemv(x, weight, self.bias)
         if (x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
