@@ -37,6 +37,7 @@ from lab.models.sources import smollm2
 from lab.profiling import TorchProfiler
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.workloads import RandomWorkload
 from lab.workloads.base import SamplingDefaults
@@ -91,11 +92,12 @@ def flops_per_token(runner: ModelRunner) -> int:
     return 2 * sum(m.weight.numel() for m in runner.model.modules() if isinstance(m, nn.Linear))
 
 
-def filled_engine(runner: ModelRunner, batch: int, prompt_len: int, attention: str) -> ContinuousBatchingEngine:
+def filled_engine(runner: ModelRunner, batch: int, prompt_len: int, attention: str = "native", max_tokens: int = 64,
+                  cuda_graphs: CudaGraphConfig | None = None) -> ContinuousBatchingEngine:
     """A cb_paged engine with `batch` requests of `prompt_len` random tokens, all past their prefill."""
-    max_tokens = 64
     engine = ContinuousBatchingEngine(runner, SchedulerConfig(batch, 2048), PagedKVCacheConfig(
-        attention=attention, kv_cache_memory_mb=None, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8))
+        attention=attention, kv_cache_memory_mb=None, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
+        cuda_graphs=cuda_graphs)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, runner.vocab_size - 1, (prompt_len,), generator=generator).tolist()

@@ -34,10 +34,11 @@ class MockRunner:
     eos_token_ids: set[int] = field(default_factory=set)
     num_forward_tokens: list[int] = field(default_factory=list)
 
-    def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast") -> BlockKVCache:
+    def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast",
+                                scratch_block: bool = False) -> BlockKVCache:
         c = self.config
         return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
-                            self.device, backend)
+                            self.device, backend, scratch_block)
 
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: BlockKVCache,
                 logits_index: torch.Tensor) -> torch.Tensor:

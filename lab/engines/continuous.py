@@ -25,6 +25,7 @@ from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig, SeqSlice
 from lab.profiling.ranges import profile_range
 from lab.request import Request
 from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig, DecodeGraphs
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -41,15 +42,20 @@ class StepBatch:
 
 class ContinuousBatchingEngine(Engine):
     def __init__(self, runner: ModelRunner, scheduler: SchedulerConfig | None = None,
-                 kv_cache: KVCacheConfig | None = None, name: str | None = None, seed: int = 0) -> None:
+                 kv_cache: KVCacheConfig | None = None, name: str | None = None, seed: int = 0,
+                 cuda_graphs: CudaGraphConfig | None = None) -> None:
         super().__init__(runner, name or "cb_paged", seed)
         scheduler = scheduler or SchedulerConfig()
         kv_cache = kv_cache or PagedKVCacheConfig()
+        graph_mode = (cuda_graphs or CudaGraphConfig(mode="off")).resolve_mode(runner.device)
         self.kv_manager = kv_cache.build_manager(runner.max_model_len, scheduler.max_num_seqs,
                                                  self.kv_bytes_per_token, runner.device)
         self.kv_cache = runner.allocate_block_kv_cache(self.kv_manager.num_blocks, self.kv_manager.block_size,
-                                                       kv_cache.attention)
+                                                       kv_cache.attention, scratch_block=graph_mode != "off")
         self.scheduler = Scheduler(scheduler, self.kv_manager, runner.eos_token_ids)
+        # NOTE: pure-decode steps replay a CUDA graph (lab/runner/cuda_graphs.py); every other step runs eagerly.
+        self.decode_graphs = None if graph_mode == "off" else DecodeGraphs(
+            runner.model, self.kv_cache, cuda_graphs, scheduler.max_num_seqs, runner.max_model_len)
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -58,6 +64,8 @@ class ContinuousBatchingEngine(Engine):
         self.reserved_token_steps = 0   # sum over steps of tokens reserved, for reserved/used per token
         self.used_token_steps = 0
         self.scheduler.reset_stats()
+        if self.decode_graphs is not None:
+            self.decode_graphs.reset_stats()
 
     # -- Engine interface --------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -101,10 +109,16 @@ class ContinuousBatchingEngine(Engine):
 
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
+        phase = _phase_name(out)
+        graph = (self.decode_graphs is not None and phase == "decode" and not out.scheduled_spec_token_ids
+                 and self.decode_graphs.fits(len(out.scheduled)))
         with profile_range("prepare_inputs"):
-            batch = self._prepare_inputs(out)
-        with self.phases.phase(_phase_name(out), num_tokens=batch.input_ids.shape[1]):
-            logits = self.forward(batch)                                                      # (R', V)
+            batch = self._prepare_inputs(out, prepare_attention=not graph)
+        with self.phases.phase(phase, num_tokens=batch.input_ids.shape[1]):
+            if graph:
+                logits = self.decode_graphs.run(batch.input_ids, self.kv_cache.index)          # (R, V)
+            else:
+                logits = self.forward(batch)                                                  # (R', V)
             with profile_range("sample"):
                 return self.select_tokens(out, batch.samplers, logits) if batch.samplers else {}
 
@@ -112,8 +126,9 @@ class ContinuousBatchingEngine(Engine):
         """The target forward over the step's flat batch -> logits (R', V) at the rows to sample."""
         return self.runner.execute(batch.input_ids, batch.positions, self.kv_cache, logits_index=batch.sample_rows)[0]
 
-    def _prepare_inputs(self, out: SchedulerOutput) -> StepBatch:
-        """The step's flat batch; builds its KV index (block tables, slot mapping) in the cache."""
+    def _prepare_inputs(self, out: SchedulerOutput, prepare_attention: bool = True) -> StepBatch:
+        """The step's flat batch; builds its KV index (block tables, slot mapping) in the cache, and the
+        attention backend's metadata unless the step runs in a decode graph."""
         counts = out.num_scheduled_tokens
         # NOTE: single-token queries first, longest context first: the attention backend batches them
         # and cuts them into groups of similar length.
@@ -129,7 +144,7 @@ class ContinuousBatchingEngine(Engine):
             if out.samples(request):
                 sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
                 samplers.append(request)
-        self.kv_cache.begin_step(seqs)
+        self.kv_cache.begin_step(seqs, prepare_attention)
         return StepBatch(input_ids=torch.tensor(token_ids, dtype=torch.long)[None],
                          positions=self.kv_cache.index.positions[None],
                          sample_rows=torch.tensor(sample_rows, dtype=torch.long), samplers=samplers, layout=layout)
@@ -157,7 +172,8 @@ class ContinuousBatchingEngine(Engine):
         self._reset_counters()
 
     def stats(self) -> dict[str, float]:
-        return {**super().stats(), **self.scheduler.stats(), **self.kv_manager.stats(),
+        graphs = self.decode_graphs.stats() if self.decode_graphs is not None else {}
+        return {**super().stats(), **self.scheduler.stats(), **self.kv_manager.stats(), **graphs,
                 "sched/num_steps": self.num_steps,
                 "sched/mean_scheduled_tokens": self.num_scheduled_tokens / max(1, self.num_steps),
                 "kv/pool_bytes": self.kv_cache.num_bytes,

@@ -44,8 +44,10 @@ class StepIndex:
 
 class BlockKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, backend: str = "fast") -> None:
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+                 dtype: torch.dtype, device: torch.device, backend: str = "fast", scratch_block: bool = False) -> None:
+        # NOTE: with `scratch_block`, one block past the pool's `num_blocks` that no request ever owns: the
+        # padding rows of a fixed-shape decode step (a CUDA graph's) write their keys there.
+        shape = (num_kv_heads, num_blocks + int(scratch_block), block_size, head_dim)
         # NOTE: zeros, not empty: padded keys are masked, but a NaN bit pattern in them would still
         # poison SDPA's sums.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -53,6 +55,7 @@ class BlockKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
+        self.scratch_block: int | None = num_blocks if scratch_block else None
         self.backend = make_backend(backend)
         self.index: StepIndex | None = None
         self._meta: object = None
@@ -61,20 +64,24 @@ class BlockKVCache:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def begin_step(self, seqs: list[SeqSlice]) -> None:
-        """Build this step's indices; the model's forward follows with the same token order."""
+    def begin_step(self, seqs: list[SeqSlice], prepare_backend: bool = True) -> None:
+        """Build this step's indices; the model's forward follows with the same token order. Without
+        `prepare_backend` the step runs elsewhere (a fixed-shape decode view) and only the index is built."""
         self.index = build_step_index(seqs, self.block_size, self.device)
-        self._meta = self.backend.prepare(self, self.index)
+        self._meta = self.backend.prepare(self, self.index) if prepare_backend else None
+
+    def store(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write N new tokens' k/v (N, Hkv, D) at their flat storage slots (N,)."""
+        flat_shape = (self.num_kv_heads, -1, self.head_dim)
+        self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k.transpose(0, 1))
+        self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, N, Hq, D), k/v (1, N, Hkv, D) -> (1, N, Hq, D)."""
-        slot_mapping = self.index.slot_mapping
         # NOTE: every token's KV is written before any attention, so a request that hit a prefix block
         # published this step reads it in the same forward that computes it.
-        flat_shape = (self.num_kv_heads, self.num_blocks * self.block_size, self.head_dim)
         with profile_range("attention"):
-            self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k[0].transpose(0, 1))
-            self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v[0].transpose(0, 1))
+            self.store(layer_idx, self.index.slot_mapping, k[0], v[0])
             out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
         return out.unsqueeze(0)
 

@@ -66,11 +66,13 @@ class ModelRunner:
         return ContiguousKVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
                                  self.dtype, self.device)
 
-    def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast") -> BlockKVCache:
-        """KV storage in `num_blocks` blocks of `block_size` tokens (slots: one block per request)."""
+    def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast",
+                                scratch_block: bool = False) -> BlockKVCache:
+        """KV storage in `num_blocks` blocks of `block_size` tokens (slots: one block per request), plus a
+        scratch block for padding rows if asked (CUDA-graph decode steps)."""
         c = self.config
         return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
-                            self.device, backend)
+                            self.device, backend, scratch_block)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,

@@ -1,0 +1,99 @@
+"""CUDA graphs for decode steps (issue 6), measured on a GPU: cb_paged's decode step with graphs off vs on,
+per batch size, in one run, on random-init weights of SmolLM2-135M's shape (where kernel launches dominate)
+and of a ~1B Llama shape (where they matter less). scripts/gpu_check.sh runs it.
+
+    python experiments/bench_decode_graphs.py                       # both shapes, batches 1,4,16,64, bf16
+    python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,8 --steps 32
+
+Each engine holds `batch` requests of `--prompt-len` random tokens, all past their prefill; the timed
+window is `--steps` whole engine steps (schedule, inputs, forward or graph replay, sampling, bookkeeping)
+between two CUDA synchronisations. Prints a markdown table; `--out` also writes it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench_batched import filled_engine  # NOTE: run as a script, experiments/ is on sys.path
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.models.sources import tiny
+from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+def time_steps(engine: ContinuousBatchingEngine, steps: int) -> float:
+    """Mean ms per engine step over `steps` decode steps (after 3 untimed ones: graph capture, warm-up)."""
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        engine.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="smollm2,llama-1b")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run, graphs in `eager` mode (no capture)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_decode_graphs needs CUDA: run it on a GPU machine (scripts/gpu_check.sh), "
+                         "or smoke-test it with --device cpu")
+    graph_mode = "cuda" if args.device == "cuda" else "eager"
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    rows = []
+    print(f"{device_name}, torch {torch.__version__}, {args.dtype}, prompt {args.prompt_len}, {args.steps} timed steps")
+    for shape in args.shapes.split(","):
+        source = tiny(seed=0, with_tokenizer=False, max_position_embeddings=4096, initializer_range=0.02,
+                      **SHAPES[shape])
+        runner = ModelRunner(source, dtype=args.dtype, device=args.device)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            ms, tokens = {}, {}
+            for mode in ("off", graph_mode):
+                engine = filled_engine(runner, batch, args.prompt_len, max_tokens=args.steps + 8,
+                                       cuda_graphs=CudaGraphConfig(mode=mode))
+                ms[mode] = time_steps(engine, args.steps)
+                tokens[mode] = [list(r.output_token_ids) for r in engine.scheduler.running]
+                graphs = engine.stats().get("cuda_graph/num_graphs", 0)
+                engine.abort_running("benchmark over")
+            same = sum(a == b for a, b in zip(tokens["off"], tokens[graph_mode])) / batch
+            rows.append({"shape": shape, "batch": batch, "eager_ms": ms["off"], "graph_ms": ms[graph_mode],
+                         "speedup": ms["off"] / ms[graph_mode], "graph_tok_s": batch * 1000 / ms[graph_mode],
+                         "num_graphs": graphs, "same_tokens": same})
+            print(f"  {shape} batch {batch}: eager {ms['off']:.2f} ms, graphs {ms[graph_mode]:.2f} ms/step "
+                  f"({ms['off'] / ms[graph_mode]:.2f}x), identical sequences {same:.0%}", flush=True)
+        del runner
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| shape | batch | eager ms/step | graph ms/step | speedup | graph tok/s | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['batch']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['speedup']:.2f}x "
+              f"| {r['graph_tok_s']:,.0f} | {r['same_tokens']:.0%} |")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

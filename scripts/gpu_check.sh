@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU check (issue 6), one device call of a few minutes: the `gpu`-marked tests (CUDA graphs replay to
+# the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling), then
+# experiments/bench_decode_graphs.py, whose markdown table goes into docs/profiling.md.
+#   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
+#   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Logs and the table's JSON go to $OUT (the device tool's return folder), else outputs/gpu_check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-outputs/gpu_check}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_check: installing .whl/ failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MODE=offline
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+status=0
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graphs.py tests/test_profiling.py \
+  tests/test_logging_and_plots.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 200 python3 experiments/bench_decode_graphs.py --out "$out/decode_graphs.json" 2>&1 \
+  | tee "$out/decode_graphs.log" || status=1
+exit $status
