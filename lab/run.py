@@ -79,13 +79,37 @@ def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request],
     return requests, warmups, arrival, workload.name
 
 
-def run_baseline(engine: Engine, requests: list[Request], max_concurrency: int | None) -> RunResult | None:
-    """For engines asked to `measure_speedup`: the same requests through the engine's own baseline
-    (speculation off), first, in the same process and run, so ratios are not across noisy runs."""
+def run_measured(engine: Engine, requests: list[Request], max_concurrency: int | None
+                 ) -> tuple[RunResult | None, RunResult]:
+    """(baseline, outcome). For engines asked to `measure_speedup`, the same requests also go through the
+    engine's own baseline (speculation off) in the same process, so ratios are not across noisy runs.
+
+    With `speedup_rounds` = N > 1 the requests are cut into N consecutive chunks and the two engines take
+    turns chunk by chunk in ABBA order (baseline first on even chunks, speculation first on odd ones):
+    a machine whose speed drifts during the run then slows both sides alike."""
     if not getattr(engine, "measure_speedup", False):
-        return None
-    copies = copy.deepcopy(requests)
-    return engine.without_speculation().run(copies, max_concurrency=max_concurrency)
+        return None, engine.run(requests, max_concurrency=max_concurrency)
+    baseline_engine = engine.without_speculation()
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    rounds = max(1, min(int(getattr(engine, "speedup_rounds", 1)), len(ordered)))
+    bounds = [len(ordered) * i // rounds for i in range(rounds + 1)]
+    parts: dict[str, list[RunResult]] = {"baseline": [], "outcome": []}
+    for i in range(rounds):
+        chunk = ordered[bounds[i]:bounds[i + 1]]
+        if rounds > 1:
+            first = chunk[0].arrival_time
+            for request in chunk:
+                request.arrival_time -= first   # NOTE: each chunk starts at its own t = 0
+        turns = [("baseline", baseline_engine, copy.deepcopy(chunk)), ("outcome", engine, chunk)]
+        for kind, runner_engine, chunk_requests in (turns if i % 2 == 0 else turns[::-1]):
+            parts[kind].append(runner_engine.run(chunk_requests, max_concurrency=max_concurrency))
+    return _merged(parts["baseline"]), _merged(parts["outcome"])
+
+
+def _merged(parts: list[RunResult]) -> RunResult:
+    """Chunks run one after another as one result: their requests, their summed durations."""
+    return RunResult([r for part in parts for r in part.requests], parts[0].start_time,
+                     sum(part.duration for part in parts))
 
 
 def speedup_fields(baseline: RunResult | None, outcome: RunResult) -> dict[str, Any]:
@@ -150,8 +174,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         engine.step_hook = profiler.step
         try:
             with metrics.sample_utilization(runner.device):
-                baseline = run_baseline(engine, requests, arrival.max_concurrency)
-                outcome = engine.run(requests, max_concurrency=arrival.max_concurrency)
+                baseline, outcome = run_measured(engine, requests, arrival.max_concurrency)
         finally:
             profile = profiler.stop()
             engine.step_hook = None

@@ -134,3 +134,34 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
                                kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=64, kv_cache_memory_mb=None))
     outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]
     assert outputs == expected
+
+
+def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: ModelRunner,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from lab.engines.base import Engine
+    from lab.run import run_measured, speedup_fields
+
+    turns: list[tuple[str, list[str]]] = []
+    original_run = Engine.run
+
+    def recording_run(self: Engine, requests: list, max_concurrency: int | None = None):
+        turns.append((self.name, [r.request_id for r in requests]))
+        return original_run(self, requests, max_concurrency)
+
+    monkeypatch.setattr(Engine, "run", recording_run)
+    engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
+                               measure_speedup=True, speedup_rounds=3)
+    requests = make_requests(_repetitive_prompts(6, seed=5), 5, ignore_eos=True)
+    for i, request in enumerate(requests):
+        request.arrival_time = 0.001 * i
+    baseline, outcome = run_measured(engine, requests, max_concurrency=1)
+    base, spec = "speculative_k0", "speculative"
+    assert [name for name, _ in turns] == [base, spec, spec, base, base, spec], "ABBA over 3 chunks"
+    assert [ids for _, ids in turns[::2]] == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]
+    assert [r.request_id for r in outcome.requests] == [r.request_id for r in baseline.requests] == \
+        [f"r{i}" for i in range(6)]
+    assert 0 < outcome.duration < sum(r.finished_time for r in outcome.requests) and baseline.duration > 0
+    fields = speedup_fields(baseline, outcome)
+    assert fields["spec/same_output_as_baseline"] and fields["spec/speedup_tpot"] > 0
+    with pytest.raises(Exception, match="speedup_rounds must be >= 1"):
+        SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_rounds=0)

@@ -26,7 +26,8 @@ from lab.spec.proposer import Draft, ProposerConfig
 class SpeculativeEngine(ContinuousBatchingEngine):
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
-                 name: str | None = None, seed: int = 0, measure_speedup: bool = False) -> None:
+                 name: str | None = None, seed: int = 0, measure_speedup: bool = False,
+                 speedup_rounds: int = 1) -> None:
         self._configs = (proposer, scheduler, kv_cache)
         kv_cache = kv_cache or PagedKVCacheConfig()
         if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
@@ -35,6 +36,10 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             kv_cache = dataclasses.replace(kv_cache, enable_prefix_caching=False)
         super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
+        if speedup_rounds < 1:
+            raise LabError(f"speedup_rounds must be >= 1, got {speedup_rounds}",
+                           "use 1 (baseline run, then speculative run) or N (ABBA turns over N chunks)")
+        self.speedup_rounds = speedup_rounds
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens
