@@ -27,8 +27,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
 from sweep_jobs import finished_jobs  # noqa: E402
 
-PROPOSERS = {"NgramProposerConfig": "ngram", "LayerSkipProposerConfig": "layerskip",
-             "DraftModelProposerConfig": "draft_model"}
+PROPOSERS = {"NgramProposerConfig": "ngram", "SuffixProposerConfig": "suffix",
+             "LayerSkipProposerConfig": "layerskip", "DraftModelProposerConfig": "draft_model"}
 COLUMNS = {"workload": "dataset", "proposer": "proposer", "k": "k", "concurrency": "conc.", "runs": "runs",
            "acceptance_rate": "accept %", "acceptance_length": "tau", "tokens_per_request_step": "tok/req/step",
            "baseline_tpot_ms": "TPOT k=0 (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",

@@ -168,6 +168,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         requests, warmups, arrival, workload_name = build_requests(cfg, runner)
         if warmups:
             engine.run(warmups)
+            engine.reset_caches()   # NOTE: a warm-up copies a measured request: its cached prefix would serve it
             engine.reset_stats()
         profiler = instantiate(cfg.profiler)
         profiler.start(run_dir, runner.device)

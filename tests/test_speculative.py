@@ -16,6 +16,7 @@ from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
+from lab.spec.suffix import SuffixProposerConfig
 from tests.helpers import chat_prompt, make_requests
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None)
@@ -38,6 +39,7 @@ def _proposers(tiny_source) -> dict:
         "layerskip": LayerSkipProposerConfig(num_layers=1),
         "ngram": NgramProposerConfig(min_n=1, max_n=3),
         "ngram_short_matches": NgramProposerConfig(min_n=1, max_n=3, short_match_tokens=1, long_match_n=2),
+        "suffix": SuffixProposerConfig(min_confidence=0.2),
     }
 
 
@@ -47,7 +49,7 @@ def _ar_outputs(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) 
 
 @pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
                                                    ("random_draft", 4), ("layerskip", 1), ("ngram", 4),
-                                                   ("ngram_short_matches", 4)])
+                                                   ("ngram_short_matches", 4), ("suffix", 1), ("suffix", 4)])
 def test_greedy_speculation_is_lossless_on_tiny(proposer: str, max_num_seqs: int, tiny_source,
                                                 tiny_runner: ModelRunner) -> None:
     prompts = _repetitive_prompts(5, seed=1)
@@ -165,3 +167,12 @@ def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: Mod
     assert fields["spec/same_output_as_baseline"] and fields["spec/speedup_tpot"] > 0
     with pytest.raises(Exception, match="speedup_rounds must be >= 1"):
         SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_rounds=0)
+
+
+def test_reset_caches_forgets_prefix_blocks_and_the_suffix_history(tiny_runner: ModelRunner) -> None:
+    engine = SpeculativeEngine(tiny_runner, SuffixProposerConfig(), 4, SchedulerConfig(4, 64),
+                               PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None))
+    engine.run(make_requests(_repetitive_prompts(3, seed=9), 8, ignore_eos=True))
+    assert engine.kv_manager.pool.num_cached_blocks > 0 and engine.proposer.stats()["spec/suffix_cached_requests"] == 3
+    engine.reset_caches()   # NOTE: lab.run does this after the warm-ups, which copy measured requests
+    assert engine.kv_manager.pool.num_cached_blocks == 0 and engine.proposer.stats()["spec/suffix_cached_requests"] == 0

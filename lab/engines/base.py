@@ -55,6 +55,10 @@ class Engine(ABC):
         """(bytes reserved for KV, bytes holding live tokens) right now; engines with a cache override."""
         return 0, 0
 
+    def reset_caches(self) -> None:
+        """Forget what earlier requests left behind that would serve a later one (prefix-cached KV,
+        a proposer's token history): lab.run calls it after the warm-ups, which copy measured requests."""
+
     def reset_stats(self) -> None:
         """Forget what warm-up requests did to the counters."""
         self.phases = PhaseTracker(self.runner.device, self.phases.track_memory)

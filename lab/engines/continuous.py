@@ -167,6 +167,9 @@ class ContinuousBatchingEngine(Engine):
         reserved, used = self._kv_tokens()
         return reserved * self.kv_bytes_per_token, used * self.kv_bytes_per_token
 
+    def reset_caches(self) -> None:
+        self.kv_manager.reset_prefix_cache()
+
     def reset_stats(self) -> None:
         super().reset_stats()
         self._reset_counters()

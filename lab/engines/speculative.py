@@ -59,6 +59,10 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.accepted_per_position = [0] * self.num_spec_tokens
         self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
 
+    def reset_caches(self) -> None:
+        super().reset_caches()
+        self.proposer.reset_history()
+
     def reset_stats(self) -> None:
         super().reset_stats()
         self._reset_spec_counters()

@@ -53,6 +53,10 @@ class KVCacheManager(Protocol):
     def block_table(self, request_id: str) -> list[int]:
         ...
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks held by running requests stay theirs)."""
+        ...
+
     @property
     def num_held_blocks(self) -> int:
         """Blocks held by at least one request."""

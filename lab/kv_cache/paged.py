@@ -122,6 +122,9 @@ class PagedKVCacheManager:
         computed = request.num_computed_tokens // self.block_size
         self.pool.free_blocks(blocks, uncache={b.block_id for b in blocks[computed:]})
 
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         return {"kv/num_blocks": self.num_blocks, "kv/block_size": self.block_size,
                 "kv/num_held_blocks": self.num_held_blocks, "kv/prefix_cache_query_tokens": self.num_query_tokens,

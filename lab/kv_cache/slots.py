@@ -59,6 +59,9 @@ class SlotKVCacheManager:
         if slot_id is not None:
             heapq.heappush(self._free_slots, slot_id)
 
+    def reset_prefix_cache(self) -> None:
+        pass   # NOTE: slots share nothing between requests
+
     def block_table(self, request_id: str) -> list[int]:
         slot_id = self.slot_ids.get(request_id)
         return [] if slot_id is None else [slot_id]

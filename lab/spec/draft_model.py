@@ -35,6 +35,9 @@ class DraftModelProposer:
     def free(self, request_id: str) -> None:
         self.kv.free(request_id)
 
+    def reset_history(self) -> None:
+        pass   # NOTE: a draft model keeps per-request KV only
+
     def stats(self) -> dict[str, float]:
         return {"spec/draft_forwards": self.num_forwards, "spec/draft_skipped_requests": self.kv.num_skipped}
 

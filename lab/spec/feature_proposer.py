@@ -69,5 +69,8 @@ class FeatureProposer:
     def free(self, request_id: str) -> None:
         self.store.free(request_id)
 
+    def reset_history(self) -> None:
+        pass   # NOTE: features are per request
+
     def stats(self) -> dict[str, float]:
         return {"spec/draft_forwards": self.num_forwards, "spec/draft_unready_requests": self.num_unready}

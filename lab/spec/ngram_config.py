@@ -26,6 +26,9 @@ class NgramDraftProposer:
     def free(self, request_id: str) -> None:
         pass
 
+    def reset_history(self) -> None:
+        pass
+
     def stats(self) -> dict[str, float]:
         return {}
 

@@ -36,6 +36,10 @@ class Proposer(Protocol):
         """The request finished or was aborted: release whatever the proposer holds for it."""
         ...
 
+    def reset_history(self) -> None:
+        """Forget what finished requests taught it (after warm-ups, which copy measured requests)."""
+        ...
+
     def stats(self) -> dict[str, float]:
         ...
 

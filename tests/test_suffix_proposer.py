@@ -1,0 +1,58 @@
+"""The suffix proposer's tables and drafting rules (its losslessness is in test_speculative.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab.errors import LabError
+from lab.request import Request, SamplingParams
+from lab.spec.suffix import ContinuationTable, SuffixProposer
+
+
+def request(request_id: str, token_ids: list[int]) -> Request:
+    return Request(request_id, list(token_ids), SamplingParams(max_tokens=16))
+
+
+def test_table_counts_every_suffix_and_uncounts_to_empty() -> None:
+    table = ContinuationTable(max_n=2)
+    table.add([5, 6, 5, 6, 7])
+    assert table.get((5,)) == {6: 2} and table.get((6,)) == {5: 1, 7: 1} and table.get((5, 6)) == {5: 1, 7: 1}
+    table.add([5, 6, 5, 6, 7], sign=-1)
+    assert table.counts == {}
+
+
+def test_a_sure_repeat_drafts_up_to_k_and_a_first_sight_drafts_nothing() -> None:
+    proposer = SuffixProposer(max_n=4, min_confidence=0.3)
+    assert proposer.propose_one(request("a", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]), 4) == [3, 4, 1, 2]
+    assert proposer.propose_one(request("b", [7, 8, 9]), 4) == [], "nothing seen before: no draft"
+
+
+def test_the_draft_stops_where_confidence_falls_below_the_threshold() -> None:
+    # after (1, 2) came 3 once and 9 twice; local counts weigh 4: p(9) = 8 / (4 + 8 + 1) = 0.615
+    tokens = [1, 2, 3, 0, 1, 2, 9, 0, 1, 2, 9, 0, 1, 2]
+    assert SuffixProposer(max_n=2, min_confidence=0.65).propose_one(request("a", tokens), 4) == []
+    assert SuffixProposer(max_n=2, min_confidence=0.6).propose_one(request("a", tokens), 1) == [9]
+
+
+def test_finished_requests_teach_later_ones_and_the_oldest_leave_first() -> None:
+    proposer = SuffixProposer(max_n=3, min_confidence=0.1, max_cached_requests=1)
+    first = request("a", [10, 11, 12, 13, 14])
+    proposer.propose_one(first, 2)
+    proposer.free("a")
+    assert proposer.propose_one(request("b", [99, 10, 11]), 3) == [12, 13, 14]
+    proposer.free("b")   # NOTE: max_cached_requests=1: "a" leaves the global table
+    assert proposer.propose_one(request("c", [98, 10, 11]), 3) == [], "evicted request still drafting"
+    assert proposer.stats()["spec/suffix_cached_requests"] == 1
+
+
+def test_reset_history_forgets_finished_requests() -> None:
+    proposer = SuffixProposer(max_n=3, min_confidence=0.3)
+    proposer.propose_one(request("a", [10, 11, 12, 13]), 2)
+    proposer.free("a")
+    proposer.reset_history()
+    assert proposer.propose_one(request("b", [10, 11]), 2) == [] and proposer.global_table.counts == {}
+
+
+def test_bad_settings_name_the_fix() -> None:
+    with pytest.raises(LabError, match="min_confidence"):
+        SuffixProposer(min_confidence=1.5)
