@@ -101,8 +101,8 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
             for request in chunk:
                 request.arrival_time -= first   # NOTE: each chunk starts at its own t = 0
         turns = [("baseline", baseline_engine, copy.deepcopy(chunk)), ("outcome", engine, chunk)]
-        for kind, runner_engine, chunk_requests in (turns if i % 2 == 0 else turns[::-1]):
-            parts[kind].append(runner_engine.run(chunk_requests, max_concurrency=max_concurrency))
+        for kind, turn_engine, chunk_requests in (turns if i % 2 == 0 else turns[::-1]):
+            parts[kind].append(turn_engine.run(chunk_requests, max_concurrency=max_concurrency))
     return _merged(parts["baseline"]), _merged(parts["outcome"])
 
 
