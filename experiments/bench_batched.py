@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--length-scale", type=float, default=0.5)
-    parser.add_argument("--engines", default="cb_paged,static,hf_cb")
+    parser.add_argument("--engines", default="cb_paged,static,hf_cb", help='"" skips the mixed-workload comparison')
     parser.add_argument("--compare-pack", action="store_true", help="also decode on MKL (unpacked) weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
@@ -259,8 +259,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["profile_b32"] = profile_decode(runner, 32, args.prompt_len, args.attentions.split(",")[-1], Path(tmp))
     print(f"  profile, batch 32: non-model share {results['profile_b32']['non_model_share']:.1%} of a decode step")
-    print(f"mixed workload: {args.num_requests} requests, max batch {args.max_batch}, lengths x{args.length_scale}")
-    results["mixed"] = compare_engines(runner, args)
+    if args.engines:
+        print(f"mixed workload: {args.num_requests} requests, max batch {args.max_batch}, lengths x{args.length_scale}")
+    results["mixed"] = compare_engines(runner, args) if args.engines else []
     tok_s = {r["engine"]: r["tok_s"] for r in results["mixed"]}
     for other in ("hf_cb", "static"):
         if "cb_paged" in tok_s and other in tok_s:

@@ -90,9 +90,10 @@ class SuffixProposer:
             self.global_table.add(self._cached.popleft(), sign=-1)
 
     def reset_history(self) -> None:
-        """Forget every finished request (running ones keep their local tables)."""
+        """Forget every finished request, and the counters (running requests keep their local tables)."""
         self.global_table = ContinuationTable(self.max_n)
         self._cached.clear()
+        self.num_global_hits = self.num_proposals = 0
 
     def stats(self) -> dict[str, float]:
         return {"spec/suffix_cached_requests": len(self._cached),
