@@ -45,9 +45,10 @@ class StaticDecodeView:
         """Copy a decode step in: input_ids (R,), `index` of R single-token requests (R <= P, its block
         tables at most W wide). Rows R.. are reset to padding."""
         num_seqs, width = index.block_tables.shape
-        if num_seqs > self.num_rows or width > self.num_block_cols or int(index.query_lens.max()) != 1:
+        max_query = int(index.query_lens.max())
+        if num_seqs > self.num_rows or width > self.num_block_cols or max_query != 1:
             raise LabError(f"a step of {num_seqs} requests x {width} blocks (query lengths up to "
-                           f"{int(index.query_lens.max())}) does not fit a {self.num_rows} x {self.num_block_cols} "
+                           f"{max_query}) does not fit a {self.num_rows} x {self.num_block_cols} "
                            "decode view", "send only single-token steps that fit (DecodeGraphs.fits)")
         self.input_ids[0, :num_seqs].copy_(input_ids)
         self.input_ids[0, num_seqs:].zero_()
