@@ -32,6 +32,7 @@ from lab.engines.hf_cb import HFCBEngine
 from lab.engines.static import StaticBatchEngine
 from lab.kv_cache import PagedKVCacheConfig
 from lab.metrics.summary import summarize
+from lab.models import native_gemm, native_gemv
 from lab.models.packed_linear import PACK_BATCH_HINT, pack_linear_weights, unpack_linear_weights
 from lab.models.sources import smollm2
 from lab.profiling import TorchProfiler
@@ -73,17 +74,22 @@ def best_cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gemm_peak(repeats: int) -> dict[str, Any]:
-    """Best GFLOP/s (CPU time) of torch.mm (MKL) and of oneDNN on a prepacked weight, per shape."""
+    """Best GFLOP/s (CPU time) per shape of torch.mm (MKL), of oneDNN on a prepacked weight and of our native
+    panel GEMM (lab/models/native_gemm.py) where built; the peak is the best of all of them."""
     rows = []
     for m, k, n in GEMM_SHAPES:
         a, weight = torch.randn(m, k), torch.randn(n, k)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
         flops = 2 * m * k * n
-        mkl = flops / best_cpu_seconds(lambda: torch.mm(a, weight.t()), repeats) / 1e9
-        onednn = flops / best_cpu_seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats) / 1e9
-        rows.append({"shape": f"{m}x{k}x{n}", "mkl_gflops": mkl, "onednn_gflops": onednn})
-    peak = max(max(r["mkl_gflops"], r["onednn_gflops"]) for r in rows)
+        row = {"shape": f"{m}x{k}x{n}",
+               "mkl_gflops": flops / best_cpu_seconds(lambda: torch.mm(a, weight.t()), repeats) / 1e9,
+               "onednn_gflops": flops / best_cpu_seconds(
+                   lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats) / 1e9}
+        if native_gemv.load_kernel() is not None:
+            panels = native_gemm.pack(weight)
+            row["native_gflops"] = flops / best_cpu_seconds(lambda: native_gemm.gemm(a, panels, n), repeats) / 1e9
+        rows.append(row)
+    peak = max(v for r in rows for key, v in r.items() if key.endswith("_gflops"))
     return {"peak_gflops": peak, "shapes": rows}
 
 
@@ -129,36 +135,36 @@ def measure_decode(engine: ContinuousBatchingEngine, num_steps: int) -> dict[str
             "non_model_share": 1 - model.cpu / step.cpu}
 
 
-def set_packed(runner: ModelRunner, packed: bool) -> None:
-    is_packed = any(type(m).__name__ == "PackedLinear" for m in runner.model.modules())
-    if packed and not is_packed:
-        pack_linear_weights(runner.model)
-    elif is_packed and not packed:
+def set_weights(runner: ModelRunner, weights: str) -> None:
+    """`native` / `onednn`: the linears' packed copy for that GEMM; `mkl`: no copy (F.linear)."""
+    if weights == "mkl":
         unpack_linear_weights(runner.model)
+    else:
+        pack_linear_weights(runner.model, weights)
 
 
 def decode_sweep(runner: ModelRunner, args: argparse.Namespace, peak: float) -> list[dict[str, Any]]:
     """Per batch size, every (attention, weights) variant on the same filled engines, interleaved over
     `rounds` and the fastest round kept: on a shared machine a slow round is the neighbours, not the code."""
     rows = []
-    weights = [False, True] if args.compare_pack else [True]
+    weights = args.weights.split(",")
     for batch in [int(b) for b in args.batches.split(",")]:
         engines = {a: filled_engine(runner, batch, args.prompt_len, a) for a in args.attentions.split(",")}
-        best: dict[tuple[str, bool], dict[str, float]] = {}
+        best: dict[tuple[str, str], dict[str, float]] = {}
         for _ in range(args.rounds):
-            for packed in weights:
-                set_packed(runner, packed)
+            for weight in weights:
+                set_weights(runner, weight)
                 for attention, engine in engines.items():
                     result = measure_decode(engine, args.decode_steps)
-                    if (attention, packed) not in best or result["step_ms"] < best[attention, packed]["step_ms"]:
-                        best[attention, packed] = result
-        set_packed(runner, True)
+                    if (attention, weight) not in best or result["step_ms"] < best[attention, weight]["step_ms"]:
+                        best[attention, weight] = result
+        set_weights(runner, weights[0])
         for engine in engines.values():
             engine.abort_running("benchmark over")
-        for (attention, packed), result in best.items():
+        for (attention, weight), result in best.items():
             tok_s = batch * 1000 / result["step_ms"]
             gflops = tok_s * flops_per_token(runner) / 1e9
-            rows.append({"batch": batch, "attention": attention, "weights": "onednn" if packed else "mkl", **result,
+            rows.append({"batch": batch, "attention": attention, "weights": weight, **result,
                          "tok_s": tok_s, "wall_tok_s": batch * 1000 / result["step_wall_ms"], "gflops": gflops,
                          "share_of_peak": gflops / peak})
             print(f"  decode batch {batch:3d} {attention:6s} {rows[-1]['weights']:6s}: {tok_s:6.1f} tok/s (CPU time), "
@@ -240,7 +246,9 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--length-scale", type=float, default=0.5)
     parser.add_argument("--engines", default="cb_paged,static,hf_cb", help='"" skips the mixed-workload comparison')
-    parser.add_argument("--compare-pack", action="store_true", help="also decode on MKL (unpacked) weights")
+    parser.add_argument("--weights", default="native,onednn",
+                        help="GEMMs to decode with: native (our panels), onednn (its packed copy), mkl (F.linear); "
+                             "the first is kept for the profile and the workload comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -250,10 +258,14 @@ def main() -> None:
         args.num_requests, args.max_batch, args.length_scale = 6, 4, 0.1
     torch.set_num_threads(args.threads)
     runner = ModelRunner(smollm2(), dtype="float32", device="cpu", max_model_len=2048)
+    set_weights(runner, args.weights.split(",")[0])
     print(f"threads {torch.get_num_threads()}, {flops_per_token(runner) / 1e6:.0f} MFLOP per token", flush=True)
     peak = gemm_peak(args.gemm_repeats)
-    print(f"GEMM peak {peak['peak_gflops']:.1f} GFLOP/s (CPU time; best of MKL and oneDNN over "
+    print(f"GEMM peak {peak['peak_gflops']:.1f} GFLOP/s (CPU time; best of MKL, oneDNN and native over "
           f"{len(GEMM_SHAPES)} shapes)", flush=True)
+    for row in peak["shapes"]:
+        print("  " + row["shape"] + ": " + ", ".join(f"{key[:-7]} {v:.1f}" for key, v in row.items()
+                                                     if key.endswith("_gflops")), flush=True)
     results: dict[str, Any] = {"threads": args.threads, "gemm": peak, "args": {k: str(v) for k, v in vars(args).items()}}
     results["decode"] = decode_sweep(runner, args, peak["peak_gflops"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,8 @@ at::parallel_for).
 The other kernels replace chains of 3-10 small torch ops whose dispatch cost, not their arithmetic,
 dominated the rest of the step (docs/profiling.md).
 
-They are compiled on first use with torch's cpp_extension (cached under ~/.cache/torch_extensions, as
+The same extension carries lab/models/native_gemm.py's panel GEMM (its source is spliced in below), so one
+build serves both. They are compiled on first use with torch's cpp_extension (cached under ~/.cache/torch_extensions, as
 lab/kv_cache/native_attention.py). Without a compiler or AVX2/FMA, `AVAILABLE` stays False after
 `load_kernel()` and every caller keeps its torch ops (F.linear, F.rms_norm, SDPA).
 
@@ -311,95 +312,155 @@ at::Tensor silu_mul(at::Tensor gu) {
 
 // Softmax attention of G query heads (q (G, D)) over n keys of one KV head, stored in blocks of bs
 // consecutive D-wide rows: key t at kb[t / bs] + (t % bs) * D, value t likewise in vb (a contiguous cache
-// is one block). out (G, D); s: room for n scores. Scores, max, exp and sums in fp32.
-// NOTE: every key is scored on its own and values are summed in pairs of keys within a block, so for an
-// even bs the result is bit-identical to the same keys in one block: a paged decode equals `ar`'s.
+// is one block). out (G, D); s: room for attention_scores_size(G, n) floats. Scores, max, exp and sums in fp32.
+// NOTE: the query heads of a group (up to 3 at a time, GQA) share every load of a key and of a value row:
+// SmolLM2's 3 heads per KV head used to read the keys and values 3 times, in a loop that was compute-bound
+// even on cached K/V (28 cycles per head and key on this CPU; docs/profiling.md).
+// NOTE: each key's score is one 8-wide FMA chain over D reduced by hsum4x8, and each output sums the keys
+// in order in one chain, so nothing depends on how the keys are split into blocks: a paged decode is
+// bit-identical to `ar`'s decode over the same keys in one contiguous cache.
+static inline int64_t attention_scores_ld(int64_t n) { return (n + 7) & ~int64_t(7); }
+static inline int64_t attention_scores_size(int64_t G, int64_t n) { return G * attention_scores_ld(n); }
+
+static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// s_g[t] = sc * q_g . k_t for GC heads (rows of s, stride ld), 4 keys at a time.
+static inline void prefetch_rows(const float* rows, int64_t count, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(rows);
+  for (int64_t offset = 0; offset < count * D * int64_t(sizeof(float)); offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+template <int GC>
+static inline void score_keys(const float* q, int64_t D, const float* const* kb, const float* const* vb, int64_t bs,
+                              int64_t n, float sc, float* s, int64_t ld) {
+  const __m128 scale = _mm_set1_ps(sc);
+  const __m256 zero = _mm256_setzero_ps();
+  const int64_t nb = (n + bs - 1) / bs;
+  for (int64_t j = 0, base = 0; base < n; ++j, base += bs) {
+    const float* kj = kb[j];
+    const int64_t m = std::min(bs, n - base);
+    int64_t t = 0;
+    for (; t + 4 <= m; t += 4) {
+      const float* k0 = kj + t * D;
+      // NOTE: each key quad requests the same rows of the next block's keys and of this block's values:
+      // blocks are scattered pieces where the hardware prefetcher stops at every boundary.
+      if (j + 1 < nb) prefetch_rows(kb[j + 1] + t * D, 4, D);
+      prefetch_rows(vb[j] + t * D, 4, D);
+      __m256 acc[GC][4];
+      for (int g = 0; g < GC; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = zero;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k0 + D + d);
+        const __m256 x2 = _mm256_loadu_ps(k0 + 2 * D + d), x3 = _mm256_loadu_ps(k0 + 3 * D + d);
+        for (int g = 0; g < GC; ++g) {
+          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+          acc[g][0] = _mm256_fmadd_ps(x0, qv, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(x1, qv, acc[g][1]);
+          acc[g][2] = _mm256_fmadd_ps(x2, qv, acc[g][2]);
+          acc[g][3] = _mm256_fmadd_ps(x3, qv, acc[g][3]);
+        }
+      }
+      for (int g = 0; g < GC; ++g)
+        _mm_storeu_ps(s + g * ld + base + t, _mm_mul_ps(hsum4x8(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), scale));
+    }
+    for (; t < m; ++t) {                     // the block's last keys, with the same per-key arithmetic
+      const float* kt = kj + t * D;
+      __m256 acc[GC];
+      for (int g = 0; g < GC; ++g) acc[g] = zero;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(kt + d);
+        for (int g = 0; g < GC; ++g) acc[g] = _mm256_fmadd_ps(x, _mm256_loadu_ps(q + g * D + d), acc[g]);
+      }
+      for (int g = 0; g < GC; ++g)
+        s[g * ld + base + t] = _mm_cvtss_f32(_mm_mul_ps(hsum4x8(acc[g], zero, zero, zero), scale));
+    }
+  }
+}
+
+// s[0:n] -> exp(s - max), zeros in s[n:ld]; returns 1 / sum.
+static inline float softmax_numerators(float* s, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+  float mx = hmax8(mv);
+  for (int64_t u = t; u < n; ++u) mx = s[u] > mx ? s[u] : mx;
+  const __m256 mxv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mxv));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (t < n) {                               // the last n % 8 scores, under a mask; zeros past n
+    const __m256 live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(n - t)), _CMP_LT_OQ);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mxv)), live);
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.f / hsum8(sum);
+}
+
+// out_g = inv_g * sum_t s_g[t] v_t for GC heads, 32 columns of D at a time (12 accumulators at GC = 3).
+template <int GC>
+static inline void accumulate_values(const float* s, int64_t ld, const float* inv, int64_t D, const float* const* vb,
+                                     int64_t bs, int64_t n, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 acc[GC][4];
+    for (int g = 0; g < GC; ++g) acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = _mm256_setzero_ps();
+    for (int64_t j = 0, base = 0; base < n; ++j, base += bs) {
+      const float* vj = vb[j] + d0;
+      const int64_t m = std::min(bs, n - base);
+      for (int64_t u = 0; u < m; ++u) {
+        const float* vt = vj + u * D;
+        __m256 p[GC];
+        for (int g = 0; g < GC; ++g) p[g] = _mm256_broadcast_ss(s + g * ld + base + u);
+        for (int i = 0; i < 4; ++i) {
+          const __m256 v = _mm256_loadu_ps(vt + 8 * i);
+          for (int g = 0; g < GC; ++g) acc[g][i] = _mm256_fmadd_ps(p[g], v, acc[g][i]);
+        }
+      }
+    }
+    for (int g = 0; g < GC; ++g)
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(out + g * D + d0 + 8 * i, _mm256_mul_ps(acc[g][i], _mm256_set1_ps(inv[g])));
+  }
+  for (; d0 < D; d0 += 8) {
+    __m256 acc[GC];
+    for (int g = 0; g < GC; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t j = 0, base = 0; base < n; ++j, base += bs) {
+      const int64_t m = std::min(bs, n - base);
+      for (int64_t u = 0; u < m; ++u) {
+        const __m256 v = _mm256_loadu_ps(vb[j] + u * D + d0);
+        for (int g = 0; g < GC; ++g) acc[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(s + g * ld + base + u), v, acc[g]);
+      }
+    }
+    for (int g = 0; g < GC; ++g) _mm256_storeu_ps(out + g * D + d0, _mm256_mul_ps(acc[g], _mm256_set1_ps(inv[g])));
+  }
+}
+
+template <int GC>
+static inline void attend_group(const float* q, int64_t D, const float* const* kb, const float* const* vb, int64_t bs,
+                                int64_t n, float sc, float* out, float* s) {
+  const int64_t ld = attention_scores_ld(n);
+  score_keys<GC>(q, D, kb, vb, bs, n, sc, s, ld);
+  float inv[GC];
+  for (int g = 0; g < GC; ++g) inv[g] = softmax_numerators(s + g * ld, n);
+  accumulate_values<GC>(s, ld, inv, D, vb, bs, n, out);
+}
+
 static void attend_kv_head(const float* q, int64_t G, int64_t D, const float* const* kb, const float* const* vb,
                            int64_t bs, int64_t n, float sc, float* out, float* s) {
-  const int64_t nb = (n + bs - 1) / bs;
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
-    for (int64_t j = 0; j < nb; ++j) {
-      const float* kj = kb[j]; float* sj = s + j * bs;
-      const int64_t m = std::min(bs, n - j * bs);
-      int64_t t = 0;
-      for (; t + 4 <= m; t += 4) {
-        const float* k0 = kj + t * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + d);
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + d), qv, a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + D + d), qv, a1);
-          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * D + d), qv, a2);
-          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * D + d), qv, a3);
-        }
-        _mm_storeu_ps(sj + t, _mm_mul_ps(hsum4x8(a0, a1, a2, a3), _mm_set1_ps(sc)));
-      }
-      for (; t < m; ++t) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + t * D + d), _mm256_loadu_ps(qg + d), a);
-        sj[t] = hsum8(a) * sc;
-      }
-    }
-    float mx = s[0];
-    for (int64_t t = 1; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
-    const __m256 mv = _mm256_set1_ps(mx);
-    __m256 sv = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-      _mm256_storeu_ps(s + t, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    float sum = hsum8(sv);
-    for (; t < n; ++t) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-    float* og = out + g * D;
-    const __m256 iv = _mm256_set1_ps(1.f / sum);
-    int64_t d0 = 0;
-    // NOTE: a 32-wide slice of D at a time, two keys per iteration: 8 named accumulators (independent FMA
-    // chains; an indexed array of them would live on the stack).
-    for (; d0 + 32 <= D; d0 += 32) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-      for (int64_t j = 0; j < nb; ++j) {
-        const float* vj = vb[j] + d0; const float* sj = s + j * bs;
-        const int64_t m = std::min(bs, n - j * bs);
-        int64_t u = 0;
-        for (; u + 2 <= m; u += 2) {
-          const __m256 p = _mm256_broadcast_ss(sj + u), r = _mm256_broadcast_ss(sj + u + 1);
-          const float* vt = vj + u * D; const float* vu = vt + D;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
-          b0 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu), b0);
-          b1 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 8), b1);
-          b2 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 16), b2);
-          b3 = _mm256_fmadd_ps(r, _mm256_loadu_ps(vu + 24), b3);
-        }
-        if (u < m) {
-          const __m256 p = _mm256_broadcast_ss(sj + u);
-          const float* vt = vj + u * D;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 24), a3);
-        }
-      }
-      _mm256_storeu_ps(og + d0, _mm256_mul_ps(_mm256_add_ps(a0, b0), iv));
-      _mm256_storeu_ps(og + d0 + 8, _mm256_mul_ps(_mm256_add_ps(a1, b1), iv));
-      _mm256_storeu_ps(og + d0 + 16, _mm256_mul_ps(_mm256_add_ps(a2, b2), iv));
-      _mm256_storeu_ps(og + d0 + 24, _mm256_mul_ps(_mm256_add_ps(a3, b3), iv));
-    }
-    for (; d0 < D; d0 += 8) {
-      __m256 a0 = _mm256_setzero_ps();
-      for (int64_t j = 0; j < nb; ++j) {
-        const int64_t m = std::min(bs, n - j * bs);
-        for (int64_t u = 0; u < m; ++u)
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(s + j * bs + u), _mm256_loadu_ps(vb[j] + u * D + d0), a0);
-      }
-      _mm256_storeu_ps(og + d0, _mm256_mul_ps(a0, iv));
-    }
+  for (int64_t g = 0; g < G; g += 3) {
+    const int64_t gc = std::min<int64_t>(3, G - g);
+    const float* qg = q + g * D; float* og = out + g * D;
+    if (gc == 3) attend_group<3>(qg, D, kb, vb, bs, n, sc, og, s);
+    else if (gc == 2) attend_group<2>(qg, D, kb, vb, bs, n, sc, og, s);
+    else attend_group<1>(qg, D, kb, vb, bs, n, sc, og, s);
   }
 }
 
@@ -431,7 +492,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   }
   const float sc = float(scale);
   at::parallel_for(0, H, attention_grain(H, n, G, D), [&](int64_t h0, int64_t h1) {
-    std::vector<float> scores(n);
+    std::vector<float> scores(attention_scores_size(G, n));
     for (int64_t h = h0; h < h1; ++h) {
       const float* kh = kcp + h * L * D; const float* vh = vcp + h * L * D;
       attend_kv_head(qp + h * G * D, G, D, &kh, &vh, L, n, sc, op + h * G * D, scores.data());
@@ -464,7 +525,7 @@ void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, a
   }
   const float sc = float(scale);
   at::parallel_for(0, B * H, attention_grain(B * H, max_len, G, D), [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(max_len);
+    std::vector<float> scores(attention_scores_size(G, max_len));
     std::vector<const float*> kb(max_nb), vb(max_nb);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
@@ -507,6 +568,8 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
   return h;
 }
 
+%(GEMM_SOURCE)s
+
 // NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
 // thread-mode workers are not serialised on it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -519,6 +582,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, release());
   m.def("paged_decode", &paged_decode, release());
   m.def("decode_layers", &decode_layers, release());
+  m.def("pack_panels", &pack_panels, release());
+  m.def("gemm_panels", &gemm_panels, release());
 }
 """
 
@@ -558,8 +623,10 @@ def load_kernel() -> Any | None:
             try:
                 from torch.utils.cpp_extension import load_inline
 
+                from lab.models.native_gemm import GEMM_SOURCE  # NOTE: here, not at the top: it imports us
+
                 _KERNEL = _BUILT = load_inline(
-                    "lab_native_gemv", cpp_sources=KERNEL_SOURCE,
+                    "lab_native_gemv", cpp_sources=KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE),
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why once
                 _KERNEL_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"

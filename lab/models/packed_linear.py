@@ -1,16 +1,17 @@
-"""Linear layers with a second copy of their weight prepacked for batched GEMM on CPU (oneDNN, fp32).
+"""Linear layers with a second copy of their weight prepacked for batched GEMM on CPU (fp32).
 
 Owns: choosing per call between the module's own weight, the packed copy and the native GEMV. Up to
 NATIVE_MAX_ROWS rows (batch-1 decode, a verify step's k + 1 tokens, a small decode batch) go to
 lab/models/native_gemv.py's kernel on the module's own (out, in) row-major weight when the kernel is
 built; without it, one row goes to F.linear, i.e. MKL's gemv on the column-major layout ModelRunner then
-sets (DecoderModel.use_column_major_weights). More rows (batched decode, prefill) go to oneDNN's matmul on
-a blocked copy made once.
+sets (DecoderModel.use_column_major_weights). More rows (batched decode, prefill) go to a copy packed once
+for a GEMM: lab/models/native_gemm.py's panels when the kernels are built (`native`, the default), else
+oneDNN's blocked layout (`onednn`; LAB_GEMM=onednn picks it for A/B runs).
 Ignores: what the layers compute; the state dict (the copy is a plain attribute, never saved).
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
-53 / 63; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
+53 / 63, the native panel GEMM 79-85 at 64 rows; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
 the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 / 12 rows a native call costs ~1.05 /
 1.5 / 2.0 / 2.7 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.4-3.9 / 3.1-3.9 for oneDNN
 (experiments/bench_gemv.py --rows).
@@ -19,17 +20,33 @@ docs/benchmarks.md, docs/profiling.md.
 
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.models import native_gemv
+from lab.models import native_gemm, native_gemv
+
+GemmBackend = Literal["native", "onednn"]
+GEMM_BACKENDS: tuple[GemmBackend, ...] = ("native", "onednn")
 
 # NOTE: oneDNN picks its blocked layout for a typical row count; any count >= 8 measured the same.
 PACK_BATCH_HINT = 64
 # NOTE: the native kernel reads each weight once for all rows; it stays ahead of oneDNN up to ~12 rows here
 # (2.5-3.9 one-row calls at 12 against 3.1-3.9; even at 16, behind at 24): a verify step of 4 requests x 3.
 NATIVE_MAX_ROWS = 12
+
+
+def default_backend() -> GemmBackend:
+    """`native` where the kernels are built, else `onednn`; LAB_GEMM=onednn|native overrides (A/B runs)."""
+    wanted = os.environ.get("LAB_GEMM", "native")
+    if wanted not in GEMM_BACKENDS:
+        raise ValueError(f"LAB_GEMM={wanted!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+    if wanted == "native" and native_gemv.load_kernel() is None:
+        return "onednn"
+    return wanted
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -39,14 +56,22 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Linear):
     """nn.Linear whose forward uses the native GEMV for inputs of up to NATIVE_MAX_ROWS rows and `packed`
-    (oneDNN layout) for more."""
+    (native panels or oneDNN's layout, per `backend`) for more."""
 
     packed: torch.Tensor | None = None
+    backend: GemmBackend = "onednn"          # the layout of `packed`
     _packed_key: tuple[int, int] = (0, -1)   # (data_ptr, version) of the weight the copy was made from
 
-    def pack(self, batch_hint: int = PACK_BATCH_HINT) -> None:
+    def pack(self, backend: GemmBackend | None = None, batch_hint: int = PACK_BATCH_HINT) -> None:
+        backend = backend or default_backend()
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"unknown GEMM backend {backend!r}: expected one of {', '.join(GEMM_BACKENDS)}")
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+            if backend == "native":
+                self.packed = native_gemm.pack(self.weight)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        self.backend = backend
         self._packed_key = self._weight_key()
 
     def _weight_key(self) -> tuple[int, int]:
@@ -63,20 +88,27 @@ class PackedLinear(nn.Linear):
             return native_gemv.gemv(x, weight, self.bias)
         if (x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self.backend == "onednn":
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if native_gemv.usable(x, self.bias):
+                return native_gemm.gemm(x, self.packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
-    """Turn every plain nn.Linear of `model` into a PackedLinear in place; returns how many.
+def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) -> int:
+    """Turn every plain nn.Linear of `model` into a PackedLinear in place (packed for `backend`, default
+    default_backend()), or repack the PackedLinears for another backend; returns how many.
 
     NOTE: the class is swapped rather than the module replaced, so parameter names, tying (a tied head
     keeps sharing the embedding's weight) and isinstance(m, nn.Linear) all stay as they were."""
+    backend = backend or default_backend()
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
-            module.pack(batch_hint)
+        if type(module) is PackedLinear:
+            if module.packed is None or module.backend != backend:
+                module.pack(backend)
             count += 1
     return count
 
@@ -87,6 +119,7 @@ def unpack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            del module.packed, module._packed_key
+            for name in ("packed", "backend", "_packed_key"):
+                module.__dict__.pop(name, None)
             count += 1
     return count
