@@ -141,3 +141,49 @@ def test_sampling_with_drafters_runs_and_is_reproducible(trained: dict, kind: st
 def test_bad_training_settings_name_the_key() -> None:
     with pytest.raises(LabError, match="data.max_new_tokens must be >= 1"):
         DataConfig(max_new_tokens=0)
+
+
+def _proposer_with_vocab(kind: str, path: Path, draft_vocab_size: int):
+    config = _proposer(kind, path)
+    config.draft_vocab_size = draft_vocab_size
+    return config
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_a_draft_vocabulary_keeps_speculation_lossless(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    """Drafts come from the first N token ids only; greedy output is unchanged and sampling still runs."""
+    vocab = 48
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    assert any(t >= vocab for tokens in expected for t in tokens), "some target tokens lie outside the draft vocab"
+    engine = SpeculativeEngine(tiny_runner, _proposer_with_vocab(kind, trained[kind][0], vocab), num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
+    drafted: list[int] = []
+    propose = engine.proposer.propose
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        drafts = propose(*args, **kwargs)
+        drafted.extend(t for d in drafts.values() for t in d.token_ids)
+        return drafts
+
+    engine.proposer.propose = recording
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    assert drafted and max(drafted) < vocab
+    sampled = engine.run(make_requests(prompts[:2], 8, ignore_eos=True, temperature=0.8, seed=1)).requests
+    assert all(len(r.output_token_ids) == 8 for r in sampled)
+
+
+def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_runner: ModelRunner) -> None:
+    full = _proposer("eagle", trained["eagle"][0]).build(tiny_runner, 64, 4)
+    cut = _proposer_with_vocab("eagle", trained["eagle"][0], 40).build(tiny_runner, 64, 4)
+    assert cut.draft_head.weight.data_ptr() == tiny_runner.model.lm_head.weight.data_ptr(), "a view, not a copy"
+    hidden = torch.randn(3, 15, tiny_runner.config.hidden_size)   # 45 rows: the batched (GEMM) path too
+    with torch.inference_mode():
+        reference, logits = full.logits(hidden), cut.logits(hidden)
+    assert logits.shape == reference.shape
+    torch.testing.assert_close(logits[..., :40], reference[..., :40], atol=1e-5, rtol=1e-5)
+    assert torch.isinf(logits[..., 40:]).all()
+    with pytest.raises(LabError, match="draft_vocab_size must be >= 0"):
+        _proposer_with_vocab("eagle", trained["eagle"][0], -1).build(tiny_runner, 64, 4)
+    assert _proposer_with_vocab("eagle", trained["eagle"][0], tiny_runner.config.vocab_size).build(
+        tiny_runner, 64, 4).draft_head is None

@@ -112,6 +112,9 @@ def test_packed_linear_sends_many_rows_to_the_panel_gemm(count_gemm: list[int]) 
             layer.weight.mul_(2)
         torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
         assert count_gemm[0] == 1
+        pack_linear_weights(torch.nn.Sequential(layer))       # makes the stale copy again
+        torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemm[0] == 2
 
 
 def test_packed_linear_repacks_for_the_other_backend(count_gemm: list[int]) -> None:

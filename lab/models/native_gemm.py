@@ -17,7 +17,7 @@ Every y[m, n] is one FMA chain over k in order, whatever the other rows, the til
 result does not depend on the batch it came with.
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears at 64 rows, weights streamed from DRAM):
-oneDNN on its prepacked weights 63-67 GFLOP/s, this kernel 79-85 (docs/profiling.md).
+oneDNN on its prepacked weights 62-70 GFLOP/s, this kernel 80-91 (docs/profiling.md).
 
 Owns: the panel layout and the GEMM. Ignores: when a layer uses it (lab/models/packed_linear.py decides).
 The source is compiled into native_gemv's extension (one build), whose `load_kernel` and `usable` gate it.

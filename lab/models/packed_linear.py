@@ -11,8 +11,8 @@ Ignores: what the layers compute; the state dict (the copy is a plain attribute,
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
-53 / 63, the native panel GEMM 79-85 at 64 rows; at one row the native GEMV reads the weights at 23-26 GB/s against 13-24 for MKL's gemv on
-the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 / 12 rows a native call costs ~1.05 /
+53 / 63, the native panel GEMM 80-91 at 64 rows; at one row the native GEMV reads the weights at 23-26
+GB/s against 13-24 for MKL's gemv on the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 / 12 rows a native call costs ~1.05 /
 1.5 / 2.0 / 2.7 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.4-3.9 / 3.1-3.9 for oneDNN
 (experiments/bench_gemv.py --rows).
 docs/benchmarks.md, docs/profiling.md.
@@ -97,7 +97,8 @@ class PackedLinear(nn.Linear):
 
 def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) -> int:
     """Turn every plain nn.Linear of `model` into a PackedLinear in place (packed for `backend`, default
-    default_backend()), or repack the PackedLinears for another backend; returns how many.
+    default_backend()), repacking PackedLinears packed for another backend or from a weight changed since;
+    returns how many.
 
     NOTE: the class is swapped rather than the module replaced, so parameter names, tying (a tied head
     keeps sharing the embedding's weight) and isinstance(m, nn.Linear) all stay as they were."""
@@ -107,7 +108,8 @@ def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) ->
         if type(module) is nn.Linear:
             module.__class__ = PackedLinear
         if type(module) is PackedLinear:
-            if module.packed is None or module.backend != backend:
+            if (module.packed is None or module.backend != backend
+                    or module._weight_key() != module._packed_key):    # NOTE: a stale copy is made again
                 module.pack(backend)
             count += 1
     return count

@@ -41,8 +41,8 @@ class _ContextKV:
 
 
 class DFlashProposer(FeatureProposer):
-    def __init__(self, target: ModelRunner, drafter: DFlashDrafter) -> None:
-        super().__init__(target, drafter)
+    def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0) -> None:
+        super().__init__(target, drafter, draft_vocab_size)
         self.block_size = drafter.block_size
         self.contexts: dict[str, _ContextKV] = {}
 
@@ -108,11 +108,13 @@ class DFlashProposer(FeatureProposer):
 @dataclass(slots=True)
 class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
-    built from `drafter` (block size, layers, target layers read)."""
+    built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
+    first N token ids only (0: all; lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
+    draft_vocab_size: int = 8192
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -126,4 +128,4 @@ class DFlashProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
-        return DFlashProposer(target, build_drafter("dflash", target, self.checkpoint, fresh))
+        return DFlashProposer(target, build_drafter("dflash", target, self.checkpoint, fresh), self.draft_vocab_size)

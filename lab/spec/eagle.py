@@ -25,8 +25,9 @@ from lab.spec.proposer import Draft, pick_draft_tokens
 
 
 class EagleProposer(FeatureProposer):
-    def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int) -> None:
-        super().__init__(target, drafter)
+    def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
+                 draft_vocab_size: int = 0) -> None:
+        super().__init__(target, drafter, draft_vocab_size)
         c = target.config
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device)
         self.kv = DraftKV(cache, num_blocks, block_size)
@@ -51,7 +52,7 @@ class EagleProposer(FeatureProposer):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """EAGLE's features are post-norm: the target's head reads the predicted feature directly."""
-        return self.target.compute_logits(hidden).float()
+        return self.head_logits(hidden)
 
     def _prev_features(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Target features (after the final norm) at positions start-1 .. end-2, zeros before position 0:
@@ -101,10 +102,12 @@ class EagleProposer(FeatureProposer):
 
 @dataclass(slots=True)
 class EagleProposerConfig:
-    """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only)."""
+    """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
+    draft_vocab_size: draft logits for the first N token ids only (0: all; lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle.pt"
     seed: int = 0
+    draft_vocab_size: int = 8192
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
@@ -113,4 +116,5 @@ class EagleProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
-        return EagleProposer(target, build_drafter("eagle", target, self.checkpoint, fresh), num_blocks, block_size)
+        return EagleProposer(target, build_drafter("eagle", target, self.checkpoint, fresh), num_blocks, block_size,
+                             self.draft_vocab_size)
