@@ -88,6 +88,8 @@ def test_gemm_rejects_what_it_cannot_compute() -> None:
         native_gemm.gemm(torch.randn(4, 16, dtype=torch.float64), panels, 30)
     with pytest.raises(RuntimeError, match="bias"):
         native_gemm.gemm(torch.randn(4, 16), panels, 30, torch.randn(29))
+    with pytest.raises(RuntimeError, match="empty panels"):
+        native_gemm.gemm(torch.randn(4, 0), native_gemm.pack(torch.randn(30, 0)), 30)
 
 
 def _layer(backend: str | None = None) -> PackedLinear:

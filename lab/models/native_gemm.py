@@ -9,9 +9,9 @@ the textbook register-blocked GEMM, sized to those shapes:
   (zero-padded past N), so the inner loop reads the weights as one sequential stream;
 - a 4 x 24 microkernel keeps a 4-row by 24-column tile of y in 12 AVX2 registers and, per k, loads three
   8-wide weight vectors and broadcasts four x values: 12 FMAs per 7 loads;
-- rows go in blocks of up to 64 (x's block stays in L2: <= 192 KiB) and, inside one, every 4-row tile reuses the panel
-  from L1/L2; while it runs, each tile prefetches its share of the next panel, which otherwise arrives from
-  DRAM at the first tile's pace;
+- rows go in blocks of up to 64 (x's block stays in L2: <= 192 KiB) and, inside one, every 4-row tile
+  reuses the panel from L1/L2; while it runs, each tile prefetches its share of the next panel, which
+  otherwise arrives from DRAM at the first tile's pace;
 - panels are split over torch's intra-op threads (native_gemv.THREADS caps them), one contiguous run each.
 Every y[m, n] is one FMA chain over k in order, whatever the other rows, the tile or the thread: a row's
 result does not depend on the batch it came with.
@@ -70,7 +70,7 @@ static inline void gemm_tile(const float* __restrict a, int64_t lda, const float
   const float* b = panel;
   #pragma GCC unroll 4
   for (int64_t k = 0; k < K; ++k, b += GEMM_NR) {
-    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8), b2 = _mm256_load_ps(b + 16);
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
     if (prefetch && (k & 7) == 0) _mm_prefetch(prefetch + (k >> 3) * 64, _MM_HINT_T0);
     #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
@@ -102,11 +102,12 @@ at::Tensor gemm_panels(at::Tensor x, at::Tensor panels, int64_t N, c10::optional
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == GEMM_NR && panels.is_contiguous(),
               "gemm_panels: panels must come from pack_panels");
   const int64_t K = panels.size(1), P = panels.size(0);
+  TORCH_CHECK(K > 0 && P > 0, "gemm_panels: empty panels (K = ", K, ", ", P, " panels)");
   TORCH_CHECK(N > (P - 1) * GEMM_NR && N <= P * GEMM_NR, "gemm_panels: ", N, " outputs do not fit ", P, " panels");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "gemm_panels: x must have rows of ", K, " values");
   at::Tensor xc = x.contiguous();
   const int64_t M = xc.numel() / K;
-  alignas(32) float bias_pad[GEMM_NR * 2] = {0};    // the last panel's bias, zero past N
+  float bias_pad[GEMM_NR] = {0};    // the last panel's bias, zero past N
   at::Tensor bc;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -121,7 +122,8 @@ at::Tensor gemm_panels(at::Tensor x, at::Tensor panels, int64_t N, c10::optional
   const float* xp = xc.data_ptr<float>(); const float* wp = panels.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const int64_t panel_floats = K * GEMM_NR;
   // NOTE: 64 rows at K = 576, 32 at K = 1536 (the down projection): a 64-row block of its x is 384 KiB.
-  const int64_t mc = std::max<int64_t>(GEMM_MR, std::min<int64_t>(GEMM_MC, GEMM_BLOCK_X_BYTES / (4 * K) / GEMM_MR * GEMM_MR));
+  const int64_t mc = std::max<int64_t>(GEMM_MR,
+                                       std::min<int64_t>(GEMM_MC, GEMM_BLOCK_X_BYTES / (4 * K) / GEMM_MR * GEMM_MR));
   auto run = [&](int64_t p0, int64_t p1) {
     alignas(32) float tail[GEMM_MR * GEMM_NR];      // a ragged last panel's tile, copied out column by column
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
