@@ -1,5 +1,6 @@
-"""Batched-decode benchmark, all in one run (issues 5 and 6): the GEMM peak of this machine, cb_paged's
-decode tok/s and achieved GFLOP/s at batch 8/32/64 (attention `fast` vs `native`), the non-model share
+"""Batched-decode benchmark, all in one run (issues 5 and 6): the GEMM peak of this machine (best of MKL,
+oneDNN and our native panel GEMM), cb_paged's decode tok/s and achieved GFLOP/s at batch 8/32/64
+(attention `fast` vs `native`, linears on `--weights native,onednn[,mkl]`), the non-model share
 of a decode step (timers, and a torch.profiler window with labelled ranges at batch 32), and cb_paged
 vs hf_cb vs static on one mixed random workload at the same max batch.
 
