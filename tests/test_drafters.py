@@ -1,6 +1,7 @@
 """EAGLE-style and DFlash drafters: target features are what the forward computes; a few training steps
 reduce the validation loss; checkpoints round-trip and refuse another target; speculation with trained
-drafters is lossless (greedy) at batch 1 and > 1 with mixed lengths, and runs with sampling."""
+drafters is lossless (greedy) at batch 1 and > 1 with mixed lengths, and runs with sampling; the
+suffix-then-EAGLE cascade is lossless; ShareGPT's recorded answers extend the training corpus."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from lab.kv_cache.base import NoCache
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
+from lab.spec.cascade import CascadeProposerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.training.data import DataConfig, Sequence
+from lab.spec.suffix import SuffixProposerConfig
+from lab.training.data import DataConfig, Sequence, reference_sequences
 from lab.training.recipe import TrainConfig, train_drafter
 from tests.helpers import make_requests
 
@@ -68,7 +71,9 @@ def test_features_are_the_forward_hidden_states(tiny_runner: ModelRunner) -> Non
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_a_few_training_steps_reduce_the_loss(trained: dict, kind: str) -> None:
     _, metrics = trained[kind]
-    assert metrics["train/last_loss"] < 0.8 * metrics["train/first_loss"], metrics
+    assert metrics["train/last_loss"] < 0.9 * metrics["train/first_loss"], metrics
+    # NOTE: the labels are the target's own distributions: the KL to them (0 = a perfect copy) is what falls.
+    assert metrics["val/kl"] < 0.8 * metrics["val_before/kl"], metrics
     assert {"val_before/ce", "val/ce", "val/top1_acc"} <= metrics.keys()
 
 
@@ -187,3 +192,60 @@ def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_r
         _proposer_with_vocab("eagle", trained["eagle"][0], -1).build(tiny_runner, 64, 4)
     assert _proposer_with_vocab("eagle", trained["eagle"][0], tiny_runner.config.vocab_size).build(
         tiny_runner, 64, 4).draft_head is None
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_suffix_then_eagle_cascade_is_lossless_and_uses_both(trained: dict, max_num_seqs: int,
+                                                            tiny_runner: ModelRunner) -> None:
+    """Suffix decoding drafts where the context repeats itself, the trained EAGLE head everywhere else."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:12]]   # a repeat: suffix decoding has matches
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    config = CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=str(trained["eagle"][0])),
+                                   fallback_num_spec_tokens=2)
+    assert config.needs_target_features
+    engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=4, kv_cache=KV,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32))
+    result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected
+    stats = engine.stats()
+    assert stats["spec/primary_drafts"] > 0 and stats["spec/fallback_drafts"] > 0, stats
+    assert stats["spec/draft_unready_requests"] == 0
+    assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.fallback.store._rows
+
+
+def test_cascade_refuses_a_feature_reading_primary(tiny_runner: ModelRunner) -> None:
+    config = CascadeProposerConfig(EagleProposerConfig(checkpoint=None), SuffixProposerConfig())
+    with pytest.raises(LabError, match="primary proposer must not read target features"):
+        SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV)
+    with pytest.raises(LabError, match="needs engine.proposer.primary"):
+        SpeculativeEngine(tiny_runner, CascadeProposerConfig(), num_spec_tokens=2, kv_cache=KV)
+
+
+def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_path: Path) -> None:
+    """ShareGPT's recorded answers join the target's own (prefill only, cached); EAGLE trains on both with
+    the target's soft labels over a draft vocabulary."""
+    runner = tiny_text_runner
+    data = DataConfig(num_prompts=4, max_prompt_len=64, max_new_tokens=12, reference_answers=6)
+    own = [Sequence([1, 2, 3, 4, 5], 3)]
+    references = reference_sequences(runner.tokenizer, data, tmp_path, own, log=lambda _: None)
+    assert len(references) == 6 and len({tuple(s.token_ids) for s in references}) == 6
+    eos = runner.tokenizer.eos_token_id
+    for seq in references:
+        answer = seq.token_ids[seq.prompt_len:]
+        assert seq.prompt_len <= 64 and 1 <= len(answer) <= 13
+        assert len(answer) == 12 or answer[-1] == eos   # cut at max_new_tokens, or the whole answer + EOS
+    assert (tmp_path / f"references-{data.reference_key()}.json").is_file()
+    assert reference_sequences(runner.tokenizer, data, tmp_path, own, log=lambda _: None) == references
+    assert data.key() == DataConfig(num_prompts=4, max_prompt_len=64, max_new_tokens=12).key()   # own answers' cache kept
+    with pytest.raises(LabError, match="reference_answers must be >= 0"):
+        DataConfig(reference_answers=-1)
+
+    (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps(
+        [{"token_ids": s.token_ids, "prompt_len": s.prompt_len} for s in references[:3]]))
+    train = TrainConfig(steps=3, batch_size=2, max_seq_len=80, val_sequences=2, log_every=1000, val_every=0)
+    lines: list[str] = []
+    metrics = train_drafter("eagle", runner, data, train, {"draft_vocab_size": 512}, tmp_path / "eagle.pt", "test",
+                            tmp_path, log=lines.append)
+    assert any("7 sequences" in line for line in lines), lines   # 3 own + 6 references - 2 held out
+    assert list(tmp_path.glob(f"features-{data.reference_key()}-L*.pt"))
+    assert 0 <= metrics["val/top1_acc"] <= 1 and metrics["val/ce"] > 0

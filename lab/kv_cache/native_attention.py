@@ -64,21 +64,27 @@ class NativeAttention:
             if seq.num_query_tokens > MAX_KERNEL_QUERY_TOKENS:
                 break
             num_short += 1
-        # NOTE: SplitAttention sees only the longer chunks; their q_start stays absolute in the flat batch.
-        rest = dataclasses.replace(index, seqs=index.seqs[num_short:], q_start=index.q_start[num_short:],
-                                   block_tables=index.block_tables[num_short:],
-                                   context_lens=index.context_lens[num_short:],
-                                   query_lens=index.query_lens[num_short:])
-        chunks = self.split.prepare(cache, rest)
+        if num_short == len(index.seqs):   # NOTE: a decode or verify step: no chunk, nothing to split
+            chunks = SplitMeta([], [])
+        else:   # NOTE: SplitAttention sees only the longer chunks; their q_start stays absolute in the flat batch.
+            rest = dataclasses.replace(index, seqs=index.seqs[num_short:], q_start=index.q_start[num_short:],
+                                       block_tables=index.block_tables[num_short:],
+                                       context_lens=index.context_lens[num_short:],
+                                       query_lens=index.query_lens[num_short:])
+            chunks = self.split.prepare(cache, rest)
         if not num_short:
             return NativeMeta(0, None, None, chunks)
-        query_lens = index.query_lens[:num_short]
-        num_rows = int(query_lens.sum())
-        lens = index.positions[:num_rows] + 1                                                  # (rows,)
-        num_blocks = -(-int(lens.max()) // cache.block_size)
-        request_of_row = torch.repeat_interleave(torch.arange(num_short), query_lens)          # (rows,)
-        tables = index.block_tables[request_of_row.to(cache.device), :num_blocks].contiguous()  # (rows, nb)
-        return NativeMeta(num_rows, tables, lens.to(cache.device), chunks)
+        # NOTE: one kernel row per token: its request's block table and the keys up to and including it,
+        # built in Python (a few rows per request) rather than with several small tensor ops.
+        lens, rows = [], []
+        for seq in index.seqs[:num_short]:
+            for j in range(seq.num_query_tokens):
+                lens.append(seq.num_context_tokens + j + 1)
+                rows.append(seq.block_table)
+        num_blocks = -(-max(lens) // cache.block_size)
+        tables = torch.tensor([(r + [0] * num_blocks)[:num_blocks] for r in rows], dtype=torch.long)  # (rows, nb)
+        return NativeMeta(len(lens), tables.to(cache.device), torch.tensor(lens, dtype=torch.long).to(cache.device),
+                          chunks)
 
     def attend(self, cache: BlockKVCache, meta: NativeMeta | SplitMeta, layer_idx: int, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

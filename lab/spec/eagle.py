@@ -29,7 +29,9 @@ class EagleProposer(FeatureProposer):
                  draft_vocab_size: int = 0) -> None:
         super().__init__(target, drafter, draft_vocab_size)
         c = target.config
-        cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device)
+        # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
+        cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
+                             backend="native")
         self.kv = DraftKV(cache, num_blocks, block_size)
 
     def free(self, request_id: str) -> None:

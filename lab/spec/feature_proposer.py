@@ -43,9 +43,15 @@ def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh:
     if checkpoint is None:
         if fresh is None:
             raise LabError(f"proposer={kind} needs a checkpoint", "set engine.proposer.checkpoint")
-        return fresh.to(device=target.device, dtype=target.dtype).eval()
-    return load_drafter(resolve_checkpoint(checkpoint), kind, target.model, target.source.hf_config,
-                        target.dtype, target.device)
+        drafter = fresh.to(device=target.device, dtype=target.dtype).eval()
+    else:
+        drafter = load_drafter(resolve_checkpoint(checkpoint), kind, target.model, target.source.hf_config,
+                               target.dtype, target.device)
+    if can_pack(target.device, target.dtype):
+        # NOTE: the target's own fast paths (few-row GEMV, panel GEMM): a drafter forward at batch 1 is a
+        # handful of matrix-vector products, which MKL's F.linear streams markedly slower.
+        pack_linear_weights(drafter)
+    return drafter
 
 
 def draft_head(target: ModelRunner, draft_vocab_size: int) -> nn.Linear | None:

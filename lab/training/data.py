@@ -1,8 +1,14 @@
 """Training data for drafters: ShareGPT prompts answered by the target itself (greedy, our continuous-
-batching engine), then the target's features on every token, computed once and cached.
+batching engine), optionally more ShareGPT conversations with their recorded answers, then the target's
+features on every token, computed once and cached.
 
-Owns: the two caches under $LAB_CACHE/train/<target fingerprint>/ (responses JSON, features .pt) and what
-is in them. Ignores: the drafters and their losses.
+The recorded answers (`reference_answers`) cost one prefill each instead of a generation, so they scale
+the corpus ~10x for the same time; their text is not the target's, but every training label is (the
+losses distil the target's own next-token distribution from its features), so they teach what the
+target would say after that context.
+
+Owns: the caches under $LAB_CACHE/train/<target fingerprint>/ (responses / references JSON, features .pt)
+and what is in them. Ignores: the drafters and their losses.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +29,7 @@ from lab.kv_cache.base import NoCache
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.workloads.base import SamplingDefaults
+from lab.workloads.dataset_files import load_records
 from lab.workloads.datasets import DatasetWorkload
 
 
@@ -33,16 +41,28 @@ class DataConfig:
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     max_num_seqs: int = 32
+    reference_answers: int = 0             # more conversations with their recorded answers (prefill only)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
 
     def __post_init__(self) -> None:
         for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise LabError(f"data.{key} must be >= 1, got {getattr(self, key)}", f"set data.{key} to a positive integer")
+        if self.reference_answers < 0:
+            raise LabError(f"data.reference_answers must be >= 0, got {self.reference_answers}",
+                           "set data.reference_answers=0 (none) or a positive count")
 
     def key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k != "feature_layers"}
+        """The generated answers' cache key (the fields that decide them)."""
+        skip = ("feature_layers", "reference_answers")
+        fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+
+    def reference_key(self) -> str:
+        """The reference conversations' cache key (num_prompts: the generated answers' prompts are left out)."""
+        fields = {k: getattr(self, k) for k in ("dataset", "seed", "num_prompts", "max_prompt_len", "max_new_tokens",
+                                                "reference_answers")}
+        return "ref" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
 @dataclass(slots=True)
@@ -72,6 +92,37 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     return sequences
 
 
+def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, skip: list[Sequence],
+                        log=print) -> list[Sequence]:
+    """`reference_answers` ShareGPT conversations as prompt (chat template) + recorded answer (first
+    max_new_tokens tokens, then EOS), none whose prompt is among `skip`'s; cached."""
+    path = cache_dir / f"references-{config.reference_key()}.json"
+    if path.is_file():
+        return [Sequence(**s) for s in json.loads(path.read_text())]
+    seen = {tuple(s.token_ids[:s.prompt_len]) for s in skip}
+    wanted = config.reference_answers + len(seen)
+    workload = DatasetWorkload(config.dataset, num_prompts=wanted, seed=config.seed + 1, max_tokens=None,
+                               max_prompt_len=config.max_prompt_len)
+    try:
+        samples = workload.select(tokenizer)
+    except LabError as error:
+        raise LabError(f"data.reference_answers={config.reference_answers}: {error.problem}",
+                       "lower data.reference_answers") from error
+    answers = {r["id"]: r["reference"] for r in load_records(config.dataset)}
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    sequences = []
+    for sample in samples:
+        if tuple(sample.prompt_token_ids) in seen or len(sequences) == config.reference_answers:
+            continue
+        answer = tokenizer.encode(answers[sample.record_id], add_special_tokens=False)
+        answer = answer[:config.max_new_tokens] if len(answer) > config.max_new_tokens else answer + eos
+        sequences.append(Sequence(sample.prompt_token_ids + answer, len(sample.prompt_token_ids)))
+    log(f"{len(sequences)} reference conversations, {sum(len(s.token_ids) for s in sequences)} tokens")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([asdict(s) for s in sequences]))
+    return sequences
+
+
 @torch.inference_mode()
 def target_features(runner: ModelRunner, sequences: list[Sequence], feature_layers: tuple[int, ...]) -> list[torch.Tensor]:
     """Each sequence's features (T, len(feature_layers) * H), fp16 on CPU: one prefill forward per sequence."""
@@ -86,19 +137,33 @@ def target_features(runner: ModelRunner, sequences: list[Sequence], feature_laye
 
 def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print
                        ) -> tuple[list[Sequence], list[torch.Tensor]]:
-    """(sequences, their target features at config.feature_layers), from the caches when present."""
+    """(sequences, their target features at config.feature_layers), from the caches when present: the
+    target's own answers first (validation takes the first few), then the reference conversations."""
     sequences = generate_responses(runner, config, cache_dir, log)
-    wanted = [i % runner.config.num_layers for i in config.feature_layers]
+    features = cached_features(runner, sequences, config.key(), config.feature_layers, cache_dir, log)
+    if config.reference_answers:
+        references = reference_sequences(runner.tokenizer, config, cache_dir, sequences, log)
+        sequences = sequences + references
+        features = features + cached_features(runner, references, config.reference_key(), config.feature_layers,
+                                               cache_dir, log)
+    return sequences, features
+
+
+def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],
+                    cache_dir: Path, log=print) -> list[torch.Tensor]:
+    """The target's features of `sequences` (cached under `key`) at `feature_layers`."""
+    wanted = [i % runner.config.num_layers for i in feature_layers]
     # NOTE: one cache serves every drafter whose layers it covers (EAGLE's last layer is among DFlash's).
-    for path in sorted(cache_dir.glob(f"features-{config.key()}-L*.pt")):
+    for path in sorted(cache_dir.glob(f"features-{key}-L*.pt")):
         stored = [int(i) for i in path.stem.split("-L", 1)[1].split("-")]
         if set(wanted) <= set(stored):
             features = torch.load(path, weights_only=True)
             hidden = runner.config.hidden_size
             columns = torch.cat([torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in wanted])
-            return sequences, [f if stored == wanted else f[:, columns] for f in features]
+            return [f if stored == wanted else f[:, columns] for f in features]
     start = time.perf_counter()
     features = target_features(runner, sequences, tuple(wanted))
     log(f"target features for {sum(len(s.token_ids) for s in sequences)} tokens in {time.perf_counter() - start:.0f} s")
-    torch.save(features, cache_dir / f"features-{config.key()}-L{'-'.join(str(i) for i in wanted)}.pt")
-    return sequences, features
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(features, cache_dir / f"features-{key}-L{'-'.join(str(i) for i in wanted)}.pt")
+    return features

@@ -1,12 +1,16 @@
 """The drafters' training objectives, on batches of target-generated sequences with cached target features.
 
 - EAGLE: at every position i the head reads (feature i-1, token i) and predicts feature i (the target's
-  last hidden state after its final norm): smooth-L1 regression to it plus cross-entropy of the target's
-  head on it against token i+1
-  (EAGLE's 1.0 / 0.1 weighting); input features get uniform noise, as EAGLE trains for its own drift.
+  last hidden state after its final norm): smooth-L1 regression to it plus the cross-entropy of the
+  target's head on it against the target's own next-token distribution at i (soft labels: the head on
+  the target's feature), both over the draft vocabulary the proposer drafts from (EAGLE's 1.0 / 0.1
+  weighting); input features get uniform noise, as EAGLE trains for its own drift. Soft labels make any
+  text a valid corpus: what is learnt is what the target would say next, not what the text says.
 - DFlash: random anchor positions in each answer; the block after an anchor (the anchor's token + B-1
   masks) must predict the next B-1 tokens seeing only context before the anchor; cross-entropy per block
-  position with weights exp(-(j-1)/gamma), since early positions decide the acceptance length.
+  position with weights exp(-(j-1)/gamma), since early positions decide the acceptance length. The
+  labels are the target's own distributions at those positions (its last layer is among the features
+  DFlash reads), over the draft vocabulary; hard next-token labels over the whole vocabulary otherwise.
 
 Owns: batching (padding), the losses and their validation metrics. Ignores: optimisation and data making.
 """
@@ -45,13 +49,9 @@ def make_batch(sequences: list[Sequence], features: list[torch.Tensor], max_len:
     return Batch(ids, feats, torch.tensor(lengths), torch.tensor([min(s.prompt_len, n) for s, n in zip(sequences, lengths)]))
 
 
-def _logits(target: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
-    return target.compute_logits(target.norm(hidden)).float()
-
-
 def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_weight: float = 0.1,
-               noise: float = 0.1, ce_positions: int = 128, generator: torch.Generator | None = None
-               ) -> tuple[torch.Tensor, dict[str, float]]:
+               noise: float = 0.1, ce_positions: int = 128, generator: torch.Generator | None = None,
+               draft_vocab_size: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
     with torch.no_grad():   # EAGLE's features are the target's last hidden states after the final norm
         features = target.norm(batch.features)                                    # (S, T, H)
@@ -64,8 +64,8 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
     predicted = drafter(embeds, prev, positions, NoCache())                        # (S, T, H)
     valid = torch.arange(t)[None] < batch.lengths[:, None]                         # (S, T)
     regression = (F.smooth_l1_loss(predicted, features, reduction="none").mean(-1) * valid).sum() / valid.sum()
-    # NOTE: the head's cross-entropy at a sample of answer positions i (predicting token i + 1): the LM head
-    # is 49k wide, so every position would dominate the step's cost for little gain.
+    # NOTE: the head's cross-entropy at a sample of answer positions i (predicting token i + 1): the head is
+    # thousands of rows wide, so every position would dominate the step's cost for little gain.
     rows, cols = [], []
     for row in range(s):
         candidates = torch.arange(max(0, int(batch.prompt_lens[row]) - 1), int(batch.lengths[row]) - 1)
@@ -73,12 +73,19 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
         rows.append(torch.full_like(pick, row))
         cols.append(pick)
     rows, cols = torch.cat(rows), torch.cat(cols)
-    logits = target.compute_logits(predicted[rows, cols]).float()                  # (P, V)
-    labels = batch.token_ids[rows, cols + 1]
-    ce = F.cross_entropy(logits, labels)
-    accuracy = (logits.argmax(-1) == labels).float().mean()
-    return regression + ce_weight * ce, {"regression": regression.item(), "ce": ce.item(),
-                                         "top1_acc": float(accuracy)}
+    weight, bias = _head(target, draft_vocab_size)
+    logits = F.linear(predicted[rows, cols], weight, bias).float()                 # (P, N)
+    with torch.no_grad():
+        teacher = F.linear(features[rows, cols], weight, bias).float().softmax(-1)  # (P, N): the target's own
+    ce = -(teacher * logits.log_softmax(-1)).sum(-1)                                # (P,)
+    accuracy = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return regression + ce_weight * ce.mean(), {"regression": regression.item(), "ce": ce.mean().item(),
+                                                "kl": (ce - _entropy(teacher)).mean().item(), "top1_acc": float(accuracy)}
+
+
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    """(..., N) distributions -> (...,) entropies: a soft cross-entropy minus this is the KL divergence."""
+    return -torch.special.xlogy(probs, probs).sum(-1)
 
 
 def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -91,7 +98,8 @@ def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | 
 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
-                gamma: float = 7.0, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
     block = drafter.block_size
     anchors = sample_anchors(batch, num_anchors, generator)                        # (S, M)
@@ -109,15 +117,49 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
                      block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
     keep = labels >= 0
-    logits = _logits(target, hidden[keep])                                          # (P, V)
+    teacher = _dflash_teacher(drafter, target, batch, anchors, block)               # (S, M, B-1, H) or None
+    weight, bias = _head(target, draft_vocab_size if teacher is not None else 0)
+    logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
     weights = torch.exp(-(offsets[1:].float() - 1) / gamma).expand_as(labels)[keep]
-    ce = (F.cross_entropy(logits, labels[keep], reduction="none") * weights).sum() / weights.sum()
+    if teacher is None:   # hard labels: the sequence's next tokens (the target's own when it wrote them)
+        targets = labels[keep]
+        ce = F.cross_entropy(logits, targets, reduction="none")
+        entropy = torch.zeros_like(ce)
+    else:                 # soft labels: the target's distribution before each block position
+        with torch.no_grad():
+            probs = F.linear(target.norm(teacher[keep]), weight, bias).float().softmax(-1)
+        targets, entropy = probs.argmax(-1), _entropy(probs)
+        ce = -(probs * logits.log_softmax(-1)).sum(-1)
+    kl = ((ce - entropy) * weights).sum() / weights.sum()
+    ce = (ce * weights).sum() / weights.sum()
     correct = torch.zeros_like(labels, dtype=torch.bool)
-    correct[keep] = logits.argmax(-1) == labels[keep]
+    correct[keep] = logits.argmax(-1) == targets
     # NOTE: greedy acceptance length of each block = 1 + the run of correct predictions from its start.
     accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)                      # (S, M)
-    return ce, {"ce": ce.item(), "top1_acc": float(correct[keep].float().mean()),
+    return ce, {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
                 "acceptance_length": float(1 + accepted.mean())}
+
+
+def _head(target: DecoderModel, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's LM head over its first `draft_vocab_size` token ids (0: all): (weight (N, H), bias)."""
+    head = target.lm_head
+    vocab = draft_vocab_size if 0 < draft_vocab_size < head.weight.shape[0] else head.weight.shape[0]
+    return head.weight[:vocab], None if head.bias is None else head.bias[:vocab]
+
+
+def _dflash_teacher(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
+                    block: int) -> torch.Tensor | None:
+    """The target's last-layer states (pre-norm) at the position before each block label, (S, M, B-1, H),
+    when the drafter's features include the last layer; else None."""
+    last = len(target.layers) - 1
+    if last not in drafter.feature_layers:
+        return None
+    hidden = target.norm.weight.shape[0]
+    column = drafter.feature_layers.index(last) * hidden
+    s, t, _ = batch.features.shape
+    positions = (anchors[..., None] + torch.arange(block - 1)).clamp(max=t - 1).reshape(s, -1)   # (S, M*(B-1))
+    states = batch.features[..., column:column + hidden].gather(1, positions[..., None].expand(-1, -1, hidden))
+    return states.view(s, anchors.shape[1], block - 1, hidden)
 
 
 def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:

@@ -62,6 +62,21 @@ def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
             if value is not None and value.shape == tensor.shape:
                 state[name] = value.detach().clone().float()
         mine.load_state_dict(state)
+    if isinstance(drafter, EagleDrafter):
+        start_as_identity(drafter)
+
+
+def start_as_identity(drafter: EagleDrafter) -> None:
+    """EAGLE starts out predicting feature i = feature i-1: the input projection passes the feature half
+    through and the layer's two residual branches (o_proj, down_proj) start at zero. Training then learns
+    corrections from the new token's embedding, from a sane first guess (the target's own next-token
+    distribution one position early) instead of from garbage, which cost the first hundreds of steps."""
+    with torch.no_grad():
+        hidden = drafter.fc.out_features
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+        drafter.layer.self_attn.o_proj.weight.zero_()
+        drafter.layer.mlp.down_proj.weight.zero_()
 
 
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
@@ -141,9 +156,10 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
     if kind == "eagle":
         return lambda drafter, batch, generator: eagle_loss(
             drafter, target, batch, options.get("ce_weight", 0.1), options.get("noise", 0.1),
-            options.get("ce_positions", 128), generator)
+            options.get("ce_positions", 128), generator, options.get("draft_vocab_size", 0))
     return lambda drafter, batch, generator: dflash_loss(
-        drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator)
+        drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
+        options.get("draft_vocab_size", 0))
 
 
 @torch.no_grad()

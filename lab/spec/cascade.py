@@ -1,0 +1,86 @@
+"""CascadeProposer (proposer=suffix_eagle, or any pair): a free proposer first, a model drafter where it
+has nothing to say.
+
+Suffix decoding drafts only where earlier text makes a continuation likely, and then several tokens
+for free; elsewhere it drafts nothing and the step is a plain decode. The fallback (a trained drafter,
+EAGLE by default) drafts exactly those requests, with its own, shorter budget (a model draft costs time
+and is less sure). Each request's draft comes from one proposer, so the rejection sampler sees one q per
+token as before: deterministic for the primary (suffix), the drafter's for the fallback; lossless either way.
+
+The fallback is called only for some steps, so it must catch up on the tokens accepted meanwhile; EAGLE
+and DFlash do (they keep the draft KV of every position fed real target features and run the rest).
+
+Owns: routing requests between the two and merging their stats. Ignores: how either drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lab.errors import LabError
+from lab.request import Request
+from lab.spec.proposer import Draft, Proposer
+
+
+class CascadeProposer:
+    def __init__(self, primary: Proposer, fallback: Proposer, fallback_num_spec_tokens: int) -> None:
+        if primary.feature_layers:
+            raise LabError("the cascade's primary proposer must not read target features",
+                           "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
+        self.primary, self.fallback = primary, fallback
+        self.fallback_num_spec_tokens = fallback_num_spec_tokens
+        self.feature_layers = fallback.feature_layers
+        self.num_primary_drafts = self.num_fallback_drafts = 0
+
+    def observe(self, layout: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
+        self.fallback.observe(layout, features)
+
+    def propose(self, requests: list[Request], num_spec_tokens: int,
+                generators: list[torch.Generator | None]) -> dict[str, Draft]:
+        drafts = {rid: d for rid, d in self.primary.propose(requests, num_spec_tokens, generators).items()
+                  if d.token_ids}
+        rest = [(r, g) for r, g in zip(requests, generators) if r.request_id not in drafts]
+        budget = min(num_spec_tokens, self.fallback_num_spec_tokens)
+        fallback = (self.fallback.propose([r for r, _ in rest], budget, [g for _, g in rest])
+                    if rest and budget > 0 else {})
+        self.num_primary_drafts += len(drafts)
+        self.num_fallback_drafts += sum(1 for d in fallback.values() if d.token_ids)
+        return {**drafts, **fallback}
+
+    def free(self, request_id: str) -> None:
+        self.primary.free(request_id)
+        self.fallback.free(request_id)
+
+    def reset_history(self) -> None:
+        self.primary.reset_history()
+        self.fallback.reset_history()
+
+    def stats(self) -> dict[str, float]:
+        return {**self.primary.stats(), **self.fallback.stats(),
+                "spec/primary_drafts": self.num_primary_drafts, "spec/fallback_drafts": self.num_fallback_drafts}
+
+
+@dataclass(slots=True)
+class CascadeProposerConfig:
+    """conf/engine/proposer/suffix_eagle.yaml: `primary` and `fallback` are proposer configs."""
+
+    primary: Any = None
+    fallback: Any = None
+    fallback_num_spec_tokens: int = 2
+
+    @property
+    def needs_target_features(self) -> bool:
+        return bool(getattr(self.fallback, "needs_target_features", False))
+
+    def build(self, target: Any, num_blocks: int, block_size: int) -> CascadeProposer:
+        if self.primary is None or self.fallback is None:
+            raise LabError("the cascade proposer needs engine.proposer.primary and engine.proposer.fallback",
+                           "use engine/proposer=suffix_eagle, or set both to proposer configs")
+        if self.fallback_num_spec_tokens < 0:
+            raise LabError(f"engine.proposer.fallback_num_spec_tokens must be >= 0, got {self.fallback_num_spec_tokens}",
+                           "use 0 (primary only) to num_spec_tokens")
+        return CascadeProposer(self.primary.build(target, num_blocks, block_size),
+                               self.fallback.build(target, num_blocks, block_size), self.fallback_num_spec_tokens)
