@@ -213,6 +213,23 @@ def test_suffix_then_eagle_cascade_is_lossless_and_uses_both(trained: dict, max_
     assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.fallback.store._rows
 
 
+def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:
+    """Suffix drafts (one-hot q) and EAGLE drafts (the head's q) share a sampled batch."""
+    prompts = [p + p[:6] for p in _prompts(12, seed=3)[8:12]]
+    config = CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=str(trained["eagle"][0])),
+                                   fallback_num_spec_tokens=2)
+
+    def sample() -> tuple[list[list[int]], dict[str, float]]:
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=4),
+                                   kv_cache=KV)
+        requests = make_requests(prompts, 16, ignore_eos=True, temperature=0.8, seed=7)
+        return [r.output_token_ids for r in engine.run(requests).requests], engine.stats()
+
+    (first, stats), (again, _) = sample(), sample()
+    assert all(len(tokens) == 16 for tokens in first) and first == again
+    assert stats["spec/primary_drafts"] > 0 and stats["spec/fallback_drafts"] > 0, stats
+
+
 def test_cascade_refuses_a_feature_reading_primary(tiny_runner: ModelRunner) -> None:
     config = CascadeProposerConfig(EagleProposerConfig(checkpoint=None), SuffixProposerConfig())
     with pytest.raises(LabError, match="primary proposer must not read target features"):
