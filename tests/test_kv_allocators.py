@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from lab.kv_cache import PagedKVCacheManager, SlotKVCacheManager
 from lab.kv_cache.paged import cdiv
@@ -197,3 +198,24 @@ def test_a_slot_never_grows_past_max_len() -> None:
     request.num_computed_tokens = 6
     assert not manager.allocate_slots(request, 3)
     assert manager.can_fit(8) and not manager.can_fit(9)
+
+
+def test_step_index_python_and_tensor_paths_agree() -> None:
+    """Small steps build their positions and slots in Python, large ones with tensor ops: the same values."""
+    from lab.kv_cache import block_kv
+    from lab.kv_cache.block_kv import SeqSlice, build_step_index
+
+    generator = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(6):
+        context, query = int(torch.randint(0, 40, (1,), generator=generator)), 1 + (7 * i) % 9
+        blocks = -(-(context + query) // 4)
+        seqs.append(SeqSlice(torch.randperm(64, generator=generator)[:blocks].tolist(), context, query))
+    small = build_step_index(seqs, 4, torch.device("cpu"))
+    limit, block_kv.PYTHON_INDEX_MAX_TOKENS = block_kv.PYTHON_INDEX_MAX_TOKENS, 0
+    try:
+        large = build_step_index(seqs, 4, torch.device("cpu"))
+    finally:
+        block_kv.PYTHON_INDEX_MAX_TOKENS = limit
+    assert torch.equal(small.positions, large.positions) and torch.equal(small.slot_mapping, large.slot_mapping)
+    assert small.q_start == large.q_start

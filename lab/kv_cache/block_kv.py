@@ -86,23 +86,31 @@ class BlockKVCache:
         return out.unsqueeze(0)
 
 
+# NOTE: up to this many tokens a step's positions and slots are computed in plain Python, above it with
+# tensor ops: a decode or verify step has a few tokens per request, where each small tensor op (~5-10 us)
+# costs more than the loop; a prefill chunk of thousands of tokens is the other way round.
+PYTHON_INDEX_MAX_TOKENS = 256
+
+
 def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device) -> StepIndex:
-    # NOTE: plain Python over the step's tokens, then one tensor each: a decode or verify step has a few
-    # tokens per request, where every small tensor op (~5-10 us) would cost more than the loop.
-    q_start, positions, slots, total = [], [], [], 0
+    q_start, total = [], 0
     for seq in seqs:
         q_start.append(total)
         total += seq.num_query_tokens
-        table = seq.block_table
-        start = seq.num_context_tokens
-        span = range(start, start + seq.num_query_tokens)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
     max_blocks = max((len(s.block_table) for s in seqs), default=1) or 1
     tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
                           dtype=torch.long).view(len(seqs), max_blocks)                       # (R, max_blocks)
     context_lens = torch.tensor([s.num_context_tokens for s in seqs], dtype=torch.long)        # (R,)
     query_lens = torch.tensor([s.num_query_tokens for s in seqs], dtype=torch.long)            # (R,)
-    return StepIndex(seqs, q_start, tables.to(device), context_lens, query_lens,
-                     torch.tensor(positions, dtype=torch.long),                                # (N,)
-                     torch.tensor(slots, dtype=torch.long).to(device))                         # (N,)
+    if total <= PYTHON_INDEX_MAX_TOKENS:
+        spans = [range(s.num_context_tokens, s.num_context_tokens + s.num_query_tokens) for s in seqs]
+        positions = torch.tensor([p for span in spans for p in span], dtype=torch.long)       # (N,)
+        slot_mapping = torch.tensor([s.block_table[p // block_size] * block_size + p % block_size
+                                     for s, span in zip(seqs, spans) for p in span], dtype=torch.long)
+    else:
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)                 # (N,)
+        starts = torch.tensor(q_start, dtype=torch.long)
+        positions = torch.arange(total) - starts[seq_idx] + context_lens[seq_idx]              # (N,)
+        slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+    return StepIndex(seqs, q_start, tables.to(device), context_lens, query_lens, positions,
+                     slot_mapping.to(device))
