@@ -112,7 +112,9 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     sequences = []
     for sample in samples:
-        if tuple(sample.prompt_token_ids) in seen or len(sequences) == config.reference_answers:
+        if len(sequences) == config.reference_answers:
+            break
+        if tuple(sample.prompt_token_ids) in seen:
             continue
         answer = tokenizer.encode(answers[sample.record_id], add_special_tokens=False)
         answer = answer[:config.max_new_tokens] if len(answer) > config.max_new_tokens else answer + eos

@@ -77,15 +77,17 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
     logits = F.linear(predicted[rows, cols], weight, bias).float()                 # (P, N)
     with torch.no_grad():
         teacher = F.linear(features[rows, cols], weight, bias).float().softmax(-1)  # (P, N): the target's own
-    ce = -(teacher * logits.log_softmax(-1)).sum(-1)                                # (P,)
+    ce, kl = _soft_cross_entropy(logits, teacher)                                   # (P,), (P,)
     accuracy = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
     return regression + ce_weight * ce.mean(), {"regression": regression.item(), "ce": ce.mean().item(),
-                                                "kl": (ce - _entropy(teacher)).mean().item(), "top1_acc": float(accuracy)}
+                                                "kl": kl.mean().item(), "top1_acc": float(accuracy)}
 
 
-def _entropy(probs: torch.Tensor) -> torch.Tensor:
-    """(..., N) distributions -> (...,) entropies: a soft cross-entropy minus this is the KL divergence."""
-    return -torch.special.xlogy(probs, probs).sum(-1)
+def _soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (P, N) against target distributions probs (P, N) -> (cross-entropy, KL divergence), each (P,):
+    the KL is the cross-entropy minus the targets' entropy (0 = a perfect copy)."""
+    ce = -(probs * logits.log_softmax(-1)).sum(-1)
+    return ce, ce + torch.special.xlogy(probs, probs).sum(-1)
 
 
 def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -123,14 +125,13 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     weights = torch.exp(-(offsets[1:].float() - 1) / gamma).expand_as(labels)[keep]
     if teacher is None:   # hard labels: the sequence's next tokens (the target's own when it wrote them)
         targets = labels[keep]
-        ce = F.cross_entropy(logits, targets, reduction="none")
-        entropy = torch.zeros_like(ce)
+        ce = kl = F.cross_entropy(logits, targets, reduction="none")
     else:                 # soft labels: the target's distribution before each block position
         with torch.no_grad():
             probs = F.linear(target.norm(teacher[keep]), weight, bias).float().softmax(-1)
-        targets, entropy = probs.argmax(-1), _entropy(probs)
-        ce = -(probs * logits.log_softmax(-1)).sum(-1)
-    kl = ((ce - entropy) * weights).sum() / weights.sum()
+        targets = probs.argmax(-1)
+        ce, kl = _soft_cross_entropy(logits, probs)
+    kl = (kl * weights).sum() / weights.sum()
     ce = (ce * weights).sum() / weights.sum()
     correct = torch.zeros_like(labels, dtype=torch.bool)
     correct[keep] = logits.argmax(-1) == targets
