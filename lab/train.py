@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lab.run import CONF_DIR, exit_on_lab_error
 from lab.runner import ModelRunner
-from lab.spec.feature_proposer import resolve_checkpoint
+from lab.drafters.checkpoint import resolve_checkpoint
 from lab.training.data import DataConfig
 from lab.training.recipe import TrainConfig, train_drafter
 

@@ -94,6 +94,21 @@ def test_checkpoint_round_trip_and_wrong_target(trained: dict, kind: str, tiny_r
         load_drafter(path.with_name("missing.pt"), kind, tiny_runner.model)
 
 
+def test_training_goes_on_from_a_checkpoint(trained: dict, tiny_runner: ModelRunner, tmp_path: Path) -> None:
+    """train.init_from starts from the checkpoint's weights (validation before = the checkpoint's own) and
+    records the command chain that re-creates them."""
+    path, first = trained["eagle"]
+    train = TrainConfig(steps=2, batch_size=8, lr=1e-4, warmup_steps=1, max_seq_len=96, val_sequences=8,
+                        log_every=1000, val_every=0, init_from=str(path))
+    metrics = train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), train, {}, tmp_path / "more.pt", "again",
+                            path.parent, log=lambda _: None)
+    assert metrics["val_before/kl"] == pytest.approx(first["val/kl"], rel=0.02)
+    assert torch.load(tmp_path / "more.pt", weights_only=True)["command"] == "test && again"
+    with pytest.raises(LabError, match="holds a"):
+        train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), train, dict(OPTIONS["dflash"]),
+                      tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
+
+
 def _proposer(kind: str, path: Path):
     return EagleProposerConfig(checkpoint=str(path)) if kind == "eagle" else DFlashProposerConfig(checkpoint=str(path))
 
@@ -141,6 +156,40 @@ def test_sampling_with_drafters_runs_and_is_reproducible(trained: dict, kind: st
 
     first = sample()
     assert all(len(tokens) == 16 for tokens in first) and first == sample()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_min_confidence_drafts_fewer_tokens_and_stays_lossless(trained: dict, kind: str,
+                                                               tiny_runner: ModelRunner) -> None:
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    drafted = {}
+    for threshold in (0.0, 0.3, 1.0):
+        config = _proposer(kind, trained[kind][0])
+        config.min_confidence = threshold
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
+        assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+        drafted[threshold] = engine.stats()["spec_decode_num_draft_tokens"]
+        if threshold == 0.3:
+            sampled = [[r.output_token_ids for r in engine.run(make_requests(prompts[:3], 12, ignore_eos=True,
+                                                                             temperature=0.8, seed=5)).requests]
+                       for _ in range(2)]
+            assert sampled[0] == sampled[1] and all(len(tokens) == 12 for tokens in sampled[0])
+    assert drafted[1.0] <= drafted[0.3] < drafted[0.0], drafted
+
+
+def test_confident_length_keeps_the_prefix_above_the_threshold(trained: dict, tiny_runner: ModelRunner) -> None:
+    config = _proposer("eagle", trained["eagle"][0])
+    config.min_confidence = 0.3
+    proposer = config.build(tiny_runner, 64, 4)
+    assert proposer.confident_length([0.9, 0.5, 0.5]) == 2          # products 0.9, 0.45, then 0.225 < 0.3
+    assert proposer.confident_length([0.9, 0.5, 0.9]) == 3
+    assert proposer.confident_length([0.2, 1.0]) == 0
+    assert proposer.confident_length([]) == 0
+    config.min_confidence = 1.5
+    with pytest.raises(LabError, match="min_confidence must be in"):
+        config.build(tiny_runner, 64, 4)
 
 
 def test_bad_training_settings_name_the_key() -> None:

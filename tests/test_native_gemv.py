@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.models import native_gemv
-from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
+from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights, use_half_weights
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import make_requests
@@ -110,6 +110,42 @@ def test_gemv_rejects_what_it_cannot_compute() -> None:
         native_gemv.gemv(torch.randn(16), w.t().contiguous().t())
     with pytest.raises(RuntimeError, match="fp32"):
         native_gemv.gemv(torch.randn(16, dtype=torch.float64), w.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("gemv_threads", [1, 2])
+@pytest.mark.parametrize("out_features,in_features", [(1, 8), (7, 13), (33, 16), (576, 1536), (8192, 576)])
+def test_gemv_f16_is_the_fp32_product_of_the_rounded_weights(gemv_threads: int, out_features: int, in_features: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafters stream fp16 weights: the result is the fp32 product with the weights rounded to fp16."""
+    monkeypatch.setattr(native_gemv, "THREADS", gemv_threads)
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    w = torch.randn(out_features, in_features, generator=generator).half()
+    b = torch.randn(out_features, generator=generator)
+    for shape in [(in_features,), (1, 1, in_features), (2, in_features), (1, 5, in_features), (12, in_features)]:
+        x = torch.randn(shape, generator=generator)
+        for bias in (None, b):
+            torch.testing.assert_close(native_gemv.gemv_f16(x, w, bias), F.linear(x, w.float(), bias),
+                                       atol=1e-5 * in_features ** 0.5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="fp16 W"):
+        native_gemv.gemv_f16(torch.randn(in_features), w.float())
+
+
+@needs_kernel
+def test_half_weights_serve_few_rows_and_step_aside_when_stale(count_gemv: list[int]) -> None:
+    layer = _packed_layer(out_features=40, in_features=24)
+    assert use_half_weights(torch.nn.Sequential(layer)) == 1 and layer.half_weight.dtype == torch.float16
+    rounded = layer.weight.half().float()
+    with torch.inference_mode():
+        x = torch.randn(3, layer.in_features)
+        torch.testing.assert_close(layer(x), F.linear(x, rounded, layer.bias), atol=1e-5, rtol=1e-5)
+        many = torch.randn(NATIVE_MAX_ROWS + 1, layer.in_features)   # more rows: the fp32 GEMM
+        torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemv[0] == 0
+        with torch.no_grad():
+            layer.weight.mul_(2)                   # the fp16 copy is stale now: the live fp32 weight serves
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        assert count_gemv[0] == 1
 
 
 def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = True) -> PackedLinear:

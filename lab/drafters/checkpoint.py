@@ -18,6 +18,15 @@ from lab.errors import LabError
 from lab.models.decoder import DecoderModel
 
 FORMAT_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """Absolute, or relative to the working directory, else to the repository (committed checkpoints)."""
+    candidate = Path(path).expanduser()
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    return REPO_ROOT / candidate
 
 
 def target_fingerprint(model: DecoderModel) -> str:

@@ -14,7 +14,7 @@ dominated the rest of the step (docs/profiling.md).
 
 The same extension carries lab/models/native_gemm.py's panel GEMM (its source is spliced in below), so one
 build serves both. They are compiled on first use with torch's cpp_extension (cached under ~/.cache/torch_extensions, as
-lab/kv_cache/native_attention.py). Without a compiler or AVX2/FMA, `AVAILABLE` stays False after
+lab/kv_cache/native_attention.py). Without a compiler or AVX2/FMA/F16C, `AVAILABLE` stays False after
 `load_kernel()` and every caller keeps its torch ops (F.linear, F.rms_norm, SDPA).
 
 Owns: the kernels and whether they can run. Ignores: which module calls them (PackedLinear, RMSNorm, MLP,
@@ -187,6 +187,91 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int6
     int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
     if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
     at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, M, bp, yp, out, in, r0, r1); });
+  }
+  return y;
+}
+
+// The same GEMV over fp16 weights (W (out, in) as IEEE half, row-major): half the bytes to stream, each weight
+// widened to fp32 in registers (F16C), the arithmetic in fp32. For drafters, whose outputs need not be exact
+// (the target verifies every draft): never for the target's own weights.
+static inline __m256 load_h8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+static inline float dot_row_f16(const at::Half* __restrict w, const float* __restrict x, int64_t in) {
+  __m256 a = _mm256_setzero_ps();
+  const int64_t n8 = in & ~int64_t(7);
+  for (int64_t k = 0; k < n8; k += 8) a = _mm256_fmadd_ps(load_h8(w + k), _mm256_loadu_ps(x + k), a);
+  float s = hsum8(a);
+  for (int64_t k = n8; k < in; ++k) s += static_cast<float>(w[k]) * x[k];
+  return s;
+}
+
+// Rows [r0, r1) of Y = X W^T for M input rows, four side-by-side weight streams as gemv_rows, input rows in pairs.
+static void gemv_f16_rows(const at::Half* __restrict w, int64_t ld, const float* __restrict x, int64_t M,
+                          float* __restrict y, int64_t out, int64_t in, int64_t r0, int64_t r1) {
+  const int64_t n8 = in & ~int64_t(7);
+  const int64_t Q = n8 == in ? (r1 - r0) / 4 : 0;    // NOTE: a ragged `in` takes the plain loop below
+  for (int64_t j = 0; j < Q; ++j) {
+    const int64_t i0 = r0 + j;
+    const at::Half* w0 = w + i0 * ld; const at::Half* w1 = w0 + Q * ld; const at::Half* w2 = w1 + Q * ld;
+    const at::Half* w3 = w2 + Q * ld;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) {
+      const float* xa = x + m * in; const float* xb = xa + in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < n8; k += 8) {
+        const __m256 u = _mm256_loadu_ps(xa + k), v = _mm256_loadu_ps(xb + k);
+        __m256 t = load_h8(w0 + k); a0 = _mm256_fmadd_ps(t, u, a0); b0 = _mm256_fmadd_ps(t, v, b0);
+        t = load_h8(w1 + k); a1 = _mm256_fmadd_ps(t, u, a1); b1 = _mm256_fmadd_ps(t, v, b1);
+        t = load_h8(w2 + k); a2 = _mm256_fmadd_ps(t, u, a2); b2 = _mm256_fmadd_ps(t, v, b2);
+        t = load_h8(w3 + k); a3 = _mm256_fmadd_ps(t, u, a3); b3 = _mm256_fmadd_ps(t, v, b3);
+      }
+      store_quad(y + m * out, i0, Q, hsum4x8(a0, a1, a2, a3));
+      store_quad(y + (m + 1) * out, i0, Q, hsum4x8(b0, b1, b2, b3));
+    }
+    if (m < M) {
+      const float* xa = x + m * in;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t k = 0; k < n8; k += 8) {
+        const __m256 u = _mm256_loadu_ps(xa + k);
+        a0 = _mm256_fmadd_ps(load_h8(w0 + k), u, a0);
+        a1 = _mm256_fmadd_ps(load_h8(w1 + k), u, a1);
+        a2 = _mm256_fmadd_ps(load_h8(w2 + k), u, a2);
+        a3 = _mm256_fmadd_ps(load_h8(w3 + k), u, a3);
+      }
+      store_quad(y + m * out, i0, Q, hsum4x8(a0, a1, a2, a3));
+    }
+  }
+  for (int64_t r = r0 + 4 * Q; r < r1; ++r)
+    for (int64_t m = 0; m < M; ++m) y[m * out + r] = dot_row_f16(w + r * ld, x + m * in, in);
+}
+
+// x (..., in) fp32 with M rows (M <= 64); w (out, in) fp16 with unit stride along `in`; bias (out,) fp32 or None
+// -> (..., out) fp32.
+at::Tensor gemv_f16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kHalf, "gemv_f16: fp32 x, fp16 W");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), "gemv_f16: W must be row-major (out, in)");
+  const int64_t out = w.size(0), in = w.size(1), ld = w.stride(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv_f16: x must have rows of ", in, " values");
+  const int64_t M = x.numel() / in;
+  TORCH_CHECK(M <= 64, "gemv_f16: at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  at::Tensor xc = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const at::Half* wp = w.data_ptr<at::Half>(); const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  if (max_threads == 1) {
+    gemv_f16_rows(wp, ld, xp, M, yp, out, in, 0, out);
+  } else {
+    int64_t grain = std::max<int64_t>(16, (int64_t(1) << 17) / std::max<int64_t>(in, 1));
+    if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
+    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_f16_rows(wp, ld, xp, M, yp, out, in, r0, r1); });
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "gemv_f16: bias must be fp32 (out,)");
+    y.add_(*bias);
   }
   return y;
 }
@@ -575,6 +660,7 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("gemv", &gemv, release());
+  m.def("gemv_f16", &gemv_f16, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("add_rms_norm", &add_rms_norm, release());
   m.def("rope", &rope, release());
@@ -599,13 +685,13 @@ _BUILT: Any = None                 # the extension once built (kept while disabl
 _KERNEL_ERROR: str | None = None
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_has_avx2_fma_f16c() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags
 
 
 def load_kernel() -> Any | None:
@@ -615,8 +701,8 @@ def load_kernel() -> Any | None:
     if _KERNEL is None and _KERNEL_ERROR is None:
         if os.environ.get("LAB_NATIVE_GEMV", "1") == "0":
             _KERNEL_ERROR = "turned off by LAB_NATIVE_GEMV=0"
-        elif not _cpu_has_avx2_fma():
-            _KERNEL_ERROR = "this CPU lacks AVX2/FMA"
+        elif not _cpu_has_avx2_fma_f16c():
+            _KERNEL_ERROR = "this CPU lacks AVX2/FMA/F16C"
         elif _BUILT is not None:
             _KERNEL = _BUILT
         else:
@@ -627,7 +713,7 @@ def load_kernel() -> Any | None:
 
                 _KERNEL = _BUILT = load_inline(
                     "lab_native_gemv", cpp_sources=KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why once
                 _KERNEL_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
                 warnings.warn(f"native decode kernels unavailable, using torch ops: {_KERNEL_ERROR}", stacklevel=2)
@@ -656,6 +742,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """x (..., in) holding 1-64 rows, weight (out, in) with unit stride along `in` -> (..., out); each row's
     result is bit-identical whatever the other rows. Needs the kernel."""
     return _KERNEL.gemv(x, weight, bias, THREADS)
+
+
+def gemv_f16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv over an fp16 weight (out, in), unit stride along `in`: x (..., in) fp32, 1-64 rows -> (..., out) fp32,
+    accumulated in fp32. Half the bytes of `gemv`; for drafters only (their outputs need not be exact)."""
+    return _KERNEL.gemv_f16(x, weight, bias, THREADS)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -61,6 +61,8 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor | None = None
     backend: GemmBackend = "onednn"          # the layout of `packed`
     _packed_key: tuple[int, int] = (0, -1)   # (data_ptr, version) of the weight the copy was made from
+    half_weight: torch.Tensor | None = None  # an fp16 copy for the few-row GEMV (drafters only: use_half_weights)
+    _half_key: tuple[int, int] = (0, -1)
 
     def pack(self, backend: GemmBackend | None = None, batch_hint: int = PACK_BATCH_HINT) -> None:
         backend = backend or default_backend()
@@ -83,7 +85,11 @@ class PackedLinear(nn.Linear):
         # training) takes F.linear too. The GEMV reads the live weight (no copy, so never stale) and needs
         # it row-major: a column-major weight (no kernel at load time) stays on MKL.
         weight = self.weight
-        if (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and weight.stride(-1) == 1
+        few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
+        if (few_rows and self.half_weight is not None and self._half_key == self._weight_key()
+                and native_gemv.usable(x, weight, self.bias)):
+            return native_gemv.gemv_f16(x, self.half_weight, self.bias)
+        if (few_rows and weight.stride(-1) == 1
                 and weight.dtype == torch.float32 and native_gemv.usable(x, weight)):
             return native_gemv.gemv(x, weight, self.bias)
         if (x.numel() > x.shape[-1] and self.packed is not None and self._weight_key() == self._packed_key
@@ -115,13 +121,28 @@ def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) ->
     return count
 
 
+def use_half_weights(model: nn.Module) -> int:
+    """Give every PackedLinear of `model` an fp16 copy of its weight, which its few-row calls then stream
+    (half the bytes; fp32 arithmetic) where the native kernel runs; returns how many. Lossy (weights rounded
+    to fp16), so only for drafters, whose every token the target verifies; a drafter checkpoint is stored in
+    fp16, so its own weights lose nothing. The copy goes stale, and is bypassed, if the weight changes."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is PackedLinear and module.weight.is_cpu:
+                module.half_weight = module.weight.detach().to(torch.float16).contiguous()
+                module._half_key = module._weight_key()
+                count += 1
+    return count
+
+
 def unpack_linear_weights(model: nn.Module) -> int:
     """Undo pack_linear_weights (every linear back to MKL's F.linear); returns how many. For A/B runs."""
     count = 0
     for module in model.modules():
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            for name in ("packed", "backend", "_packed_key"):
+            for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key"):
                 module.__dict__.pop(name, None)
             count += 1
     return count

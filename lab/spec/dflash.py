@@ -41,8 +41,9 @@ class _ContextKV:
 
 
 class DFlashProposer(FeatureProposer):
-    def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0) -> None:
-        super().__init__(target, drafter, draft_vocab_size)
+    def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
+                 half_weights: bool = False, min_confidence: float = 0.0) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, min_confidence)
         self.block_size = drafter.block_size
         self.contexts: dict[str, _ContextKV] = {}
 
@@ -101,7 +102,14 @@ class DFlashProposer(FeatureProposer):
         out = {}
         for row, (request, generator) in enumerate(pairs):
             tokens, probs = pick_draft_tokens(logits[row], [request.sampling_params] * k, [generator] * k)
-            out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))
+            if self.min_confidence > 0:
+                # NOTE: the whole block is drafted at once; only its confident head goes to verification.
+                confidence = [float((q if q is not None else torch.softmax(logits[row, j], -1)).max())
+                              for j, q in enumerate(probs)]
+                length = self.confident_length(confidence)
+                tokens, probs = tokens[:length], probs[:length]
+            if tokens:
+                out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))
         return out
 
 
@@ -109,12 +117,16 @@ class DFlashProposer(FeatureProposer):
 class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
-    first N token ids only (0: all; lab/spec/feature_proposer.py)."""
+    first N token ids only (0: all); half_weights: stream fp16 copies of the weights in few-row products;
+    min_confidence: verify the block's drafts while the product of their confidences stays >= it (0: all k;
+    lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
+    half_weights: bool = True
+    min_confidence: float = 0.0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -128,4 +140,5 @@ class DFlashProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
-        return DFlashProposer(target, build_drafter("dflash", target, self.checkpoint, fresh), self.draft_vocab_size)
+        drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
+        return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights, self.min_confidence)

@@ -21,13 +21,13 @@ from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
 from lab.spec.feature_proposer import FeatureProposer, build_drafter
-from lab.spec.proposer import Draft, pick_draft_tokens
+from lab.spec.proposer import Draft
 
 
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
-                 draft_vocab_size: int = 0) -> None:
-        super().__init__(target, drafter, draft_vocab_size)
+                 draft_vocab_size: int = 0, half_weights: bool = False, min_confidence: float = 0.0) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, min_confidence)
         c = target.config
         # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
@@ -52,9 +52,9 @@ class EagleProposer(FeatureProposer):
         self.num_forwards += 1
         return hidden[0, last_rows]                                                           # (R, H)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def output_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """EAGLE's features are post-norm: the target's head reads the predicted feature directly."""
-        return self.head_logits(hidden)
+        return hidden
 
     def _prev_features(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """Target features (after the final norm) at positions start-1 .. end-2, zeros before position 0:
@@ -85,31 +85,47 @@ class EagleProposer(FeatureProposer):
             return {}
         params, gens = [r.sampling_params for r, _ in active], [g for _, g in active]
         features = self._forward(seqs, token_ids, torch.cat(prev))                             # (R, H)
-        drafted, probs = pick_draft_tokens(self.logits(features), params, gens)
-        tokens, dists = [[t] for t in drafted], [[q] for q in probs]
+        drafted, probs, confidence = self.pick(features, params, gens)
+        tokens, dists, confidences = [[t] for t in drafted], [[q] for q in probs], [[c] for c in confidence]
+        live = [row for row in range(len(active)) if self.confident_length(confidences[row]) == 1]
+        features = features[live]                                                              # (len(live), H)
         for i in range(1, num_spec_tokens):
-            step = [SeqSlice(s.block_table, s.num_context_tokens + s.num_query_tokens + i - 1, 1) for s in seqs]
-            features = self._forward(step, [t[-1] for t in tokens], features)
-            drafted, probs = pick_draft_tokens(self.logits(features), params, gens)
-            for row, (token, q) in enumerate(zip(drafted, probs)):
-                tokens[row].append(token)
-                dists[row].append(q)
+            if not live:
+                break   # NOTE: every chain fell below min_confidence: no more drafter forwards
+            step = [SeqSlice(seqs[r].block_table, seqs[r].num_context_tokens + seqs[r].num_query_tokens + i - 1, 1)
+                    for r in live]
+            features = self._forward(step, [tokens[r][-1] for r in live], features)
+            drafted, probs, confidence = self.pick(features, [params[r] for r in live], [gens[r] for r in live])
+            for r, token, q, c in zip(live, drafted, probs, confidence):
+                tokens[r].append(token)
+                dists[r].append(q)
+                confidences[r].append(c)
+            kept = [j for j, r in enumerate(live) if self.confident_length(confidences[r]) == i + 1]
+            live, features = [live[j] for j in kept], features[kept]
         out = {}
-        for (request, _), row_tokens, row_dists in zip(active, tokens, dists):
+        for row, (request, _) in enumerate(active):
             # NOTE: only positions fed real target features stay valid; the chain's are recomputed next time.
             self.kv.commit(request.request_id, request.all_token_ids)
-            out[request.request_id] = Draft(row_tokens, None if row_dists[0] is None else torch.stack(row_dists))
+            length = self.confident_length(confidences[row])
+            if length:
+                row_dists = dists[row][:length]
+                out[request.request_id] = Draft(tokens[row][:length],
+                                                None if row_dists[0] is None else torch.stack(row_dists))
         return out
 
 
 @dataclass(slots=True)
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
-    draft_vocab_size: draft logits for the first N token ids only (0: all; lab/spec/feature_proposer.py)."""
+    draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
+    the head's weights; min_confidence: draft while the product of the head's confidences stays >= it (0: off;
+    lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle.pt"
     seed: int = 0
     draft_vocab_size: int = 8192
+    half_weights: bool = True
+    min_confidence: float = 0.0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
@@ -118,5 +134,6 @@ class EagleProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
-        return EagleProposer(target, build_drafter("eagle", target, self.checkpoint, fresh), num_blocks, block_size,
-                             self.draft_vocab_size)
+        drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
+        return EagleProposer(target, drafter, num_blocks, block_size, self.draft_vocab_size, self.half_weights,
+                             self.min_confidence)

@@ -10,36 +10,36 @@ drafter then never proposes a rarer token, a proposal the target would have to c
 verification and so the output are unchanged (q is 0 outside the draft vocabulary, which rejection
 sampling handles like any other q).
 
+At batch 1 a drafter step is a few matrix-vector products whose cost is the bytes of weight they stream
+(its layer and the draft head: ~36 MB in fp32 for smollm2's EAGLE). `half_weights` streams fp16 copies
+instead (fp32 arithmetic): the checkpoint is stored in fp16, so the drafter's own weights lose nothing; the
+head's logits move by ~1e-3 of their spread, which can only change which token is drafted, never the output.
+
+`min_confidence` drafts only while the product of the drafter's confidences (its distribution's largest
+probability at each position) stays at or above it, as suffix decoding does with its counts: a draft the
+drafter itself doubts costs a verify row (on CPU ~4-9 % of a plain step each) for little chance of a token.
+
 Owns: building the drafter for a target, the FeatureStore, turning drafter hidden states into tokens.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from lab.drafters.checkpoint import load_drafter
+from lab.drafters.checkpoint import load_drafter, resolve_checkpoint
 from lab.errors import LabError
-from lab.models.packed_linear import can_pack, pack_linear_weights
-from lab.request import Request
+from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights
+from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.spec.features import FeatureStore
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def resolve_checkpoint(path: str) -> Path:
-    """Absolute, or relative to the working directory, else to the repository (committed checkpoints)."""
-    candidate = Path(path).expanduser()
-    if candidate.is_absolute() or candidate.exists():
-        return candidate
-    return REPO_ROOT / candidate
+from lab.spec.proposer import pick_draft_tokens
 
 
-def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None) -> nn.Module:
-    """The checkpoint's drafter on the target's device and dtype, or `fresh` (random init) when checkpoint is None."""
+def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
+                  half_weights: bool = False) -> nn.Module:
+    """The checkpoint's drafter on the target's device and dtype, or `fresh` (random init) when checkpoint is None;
+    `half_weights`: its few-row matrix products stream fp16 copies of the weights (use_half_weights)."""
     if checkpoint is None:
         if fresh is None:
             raise LabError(f"proposer={kind} needs a checkpoint", "set engine.proposer.checkpoint")
@@ -51,12 +51,15 @@ def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh:
         # NOTE: the target's own fast paths (few-row GEMV, panel GEMM): a drafter forward at batch 1 is a
         # handful of matrix-vector products, which MKL's F.linear streams markedly slower.
         pack_linear_weights(drafter)
+        if half_weights:
+            use_half_weights(drafter)
     return drafter
 
 
-def draft_head(target: ModelRunner, draft_vocab_size: int) -> nn.Linear | None:
+def draft_head(target: ModelRunner, draft_vocab_size: int, half_weights: bool = False) -> nn.Linear | None:
     """The target's LM head over its first `draft_vocab_size` token ids, sharing the weight (a view of its
-    first rows); None for the whole vocabulary (0, or >= the vocabulary)."""
+    first rows; with `half_weights` the GEMV streams an fp16 copy of them); None for the whole vocabulary (0, or
+    >= the vocabulary)."""
     vocab = target.config.vocab_size
     if draft_vocab_size < 0:
         raise LabError(f"engine.proposer.draft_vocab_size must be >= 0 (0: the whole vocabulary), got "
@@ -71,15 +74,22 @@ def draft_head(target: ModelRunner, draft_vocab_size: int) -> nn.Linear | None:
         head.bias = nn.Parameter(full.bias.detach()[:draft_vocab_size], requires_grad=False)
     if can_pack(target.device, target.dtype):
         pack_linear_weights(head)       # NOTE: the target's own fast paths: few-row GEMV, panel GEMM
+        if half_weights:
+            use_half_weights(head)
     return head.eval()
 
 
 class FeatureProposer:
-    def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0) -> None:
+    def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
+                 half_weights: bool = False, min_confidence: float = 0.0) -> None:
+        if not 0.0 <= min_confidence <= 1.0:
+            raise LabError(f"engine.proposer.min_confidence must be in [0, 1], got {min_confidence}",
+                           "use 0 (draft every position) or e.g. 0.3")
+        self.min_confidence = min_confidence
         self.target = target.model
         self.drafter = drafter
         self.vocab_size = target.config.vocab_size
-        self.draft_head = draft_head(target, draft_vocab_size)
+        self.draft_head = draft_head(target, draft_vocab_size, half_weights)
         self.device, self.dtype = target.device, target.dtype
         self.feature_layers = tuple(i % target.config.num_layers for i in drafter.feature_layers)
         self.store = FeatureStore(len(self.feature_layers) * target.config.hidden_size, target.dtype, target.device)
@@ -99,9 +109,43 @@ class FeatureProposer:
         self.num_unready += not ok
         return ok
 
+    def output_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter hidden states (..., H) -> what the head reads: the target's frozen final norm of them."""
+        return self.target.norm(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states (..., H) -> logits (..., V) through the target's frozen norm and head."""
-        return self.head_logits(self.target.norm(hidden))
+        return self.head_logits(self.output_norm(hidden))
+
+    def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+             ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+        """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
+        drafter's confidence: the largest probability of its distribution there; 1.0 when min_confidence is 0)."""
+        gated = self.min_confidence > 0
+        if self.draft_head is not None and all(p.is_greedy for p in params):
+            # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
+            head = self.draft_head(self.output_norm(hidden)).float()                         # (R, N)
+            confidence = torch.softmax(head, -1).amax(-1).tolist() if gated else [1.0] * len(params)
+            return head.argmax(-1).tolist(), [None] * len(params), confidence
+        logits = self.logits(hidden)                                                         # (R, V)
+        tokens, probs = pick_draft_tokens(logits, params, generators)
+        confidence = [1.0] * len(params)
+        if gated:
+            confidence = [float((q if q is not None else torch.softmax(row, -1)).max()) for row, q in zip(logits, probs)]
+        return tokens, probs, confidence
+
+    def confident_length(self, confidence: list[float]) -> int:
+        """How many leading drafts to keep: while the product of the confidences stays >= min_confidence.
+
+        NOTE: lossless with sampling too: a confidence is the maximum of q at that position, which depends
+        only on the tokens before it, never on the token drawn there (a rule that looked at the drawn
+        token would bias which drafts reach the rejection sampler)."""
+        product = 1.0
+        for length, value in enumerate(confidence):
+            product *= value
+            if product < self.min_confidence:
+                return length
+        return len(confidence)
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's

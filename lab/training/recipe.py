@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lab.drafters.checkpoint import save_drafter, target_fingerprint
+from lab.drafters.checkpoint import load_drafter, read_checkpoint, resolve_checkpoint, save_drafter, target_fingerprint
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.drafters.eagle import EagleConfig, EagleDrafter
 from lab.errors import LabError
@@ -42,6 +42,7 @@ class TrainConfig:
     val_sequences: int = 12
     log_every: int = 20
     val_every: int = 100   # validate every N steps and keep the best weights (early stopping); 0 = only at the end
+    init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
 
 
 def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
@@ -97,8 +98,16 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         raise LabError(f"drafter training runs in float32, the target is {target.dtype}", "set model.dtype=float32")
     torch.manual_seed(train.seed)
     generator = torch.Generator().manual_seed(train.seed)
-    drafter = build_drafter(kind, target, options).float()
-    init_from_target(drafter, target.model)
+    if train.init_from:
+        # NOTE: fine-tuning: the checkpoint fixes the drafter's shape; its command comes first in the new one, so
+        # the recorded command still re-creates the weights from nothing.
+        previous = read_checkpoint(resolve_checkpoint(train.init_from))
+        drafter = load_drafter(resolve_checkpoint(train.init_from), kind, target.model,
+                               target.source.hf_config).float()
+        command = f"{previous['command']} && {command}"
+    else:
+        drafter = build_drafter(kind, target, options).float()
+        init_from_target(drafter, target.model)
     target_model = target.model.float().eval()
     for p in target_model.parameters():
         p.requires_grad_(False)

@@ -1,0 +1,81 @@
+"""Micro-benchmark: one EAGLE draft at batch 1 on SmolLM2-135M (`EagleProposer.propose`, k = 1), with the
+drafter's and the draft head's weights streamed in fp32 against their fp16 copies (`half_weights`).
+
+A draft first catches the head up over the tokens the target accepted since the last one (`--new`: 1 after
+a plain step, 2-5 after a verify, more when suffix decoding drafted meanwhile), then reads the draft head.
+Between two drafts the target's forward streams ~540 MB, so every call here follows a sweep over a 128 MB
+buffer: the weights come from DRAM, as in the engine. The two variants take turns call by call (ABBA), so
+a machine whose speed drifts slows both alike; the ratio is fp32 time / fp16 time in the same run.
+
+    python experiments/bench_drafter.py --new 1,3,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from lab.models.sources import smollm2
+from lab.request import Request, SamplingParams
+from lab.runner import ModelRunner
+from lab.spec.eagle import EagleProposer, EagleProposerConfig
+
+CONTEXT = 150      # tokens of context before the first draft
+
+
+def _request(proposer: EagleProposer, features: torch.Tensor) -> Request:
+    request = Request("r", list(range(100, 100 + CONTEXT)), SamplingParams(max_tokens=100_000))
+    proposer.store.write("r", 0, features[:CONTEXT - 1])
+    request.num_computed_tokens = CONTEXT - 1
+    return request
+
+
+def _advance(proposer: EagleProposer, request: Request, features: torch.Tensor, num_new: int) -> None:
+    """The target accepted `num_new` more tokens (their features are known up to the last one)."""
+    for _ in range(num_new):
+        request.output_token_ids.append(100 + request.num_tokens % 200)
+    end = request.num_tokens - 1
+    proposer.store.write("r", 0, features[:end])
+    request.num_computed_tokens = end
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--new", default="1,3,8", help="comma-separated tokens accepted between two drafts")
+    parser.add_argument("--calls", type=int, default=40, help="timed drafts per variant and setting")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
+    variants = {name: EagleProposerConfig(half_weights=half).build(runner, num_blocks=512, block_size=16)
+                for name, half in (("fp32", False), ("fp16", True))}
+    features = torch.randn(CONTEXT + 40 * args.calls, runner.config.hidden_size)
+    flush = torch.ones(32 * 2**20)
+    print(f"# bench_drafter: EAGLE k=1 at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("| tokens caught up | fp32 weights (ms) | fp16 weights (ms) | fp32 / fp16 |")
+    print("|---:|---:|---:|---:|")
+    for num_new in (int(n) for n in args.new.split(",")):
+        requests = {name: _request(p, features) for name, p in variants.items()}
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for call in range(args.calls + 2):
+            order = list(variants) if call % 2 == 0 else list(reversed(variants))
+            for name in order:
+                proposer, request = variants[name], requests[name]
+                _advance(proposer, request, features, num_new)
+                flush.mul_(1.0)                                  # evict the drafter from the caches
+                start = time.perf_counter()
+                draft = proposer.propose([request], 1, [None])
+                if call >= 2:                                    # NOTE: the first two calls warm up
+                    times[name].append(time.perf_counter() - start)
+                assert draft["r"].token_ids, "the benchmark request was not drafted"
+        fp32, fp16 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16"))
+        print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {fp32 / fp16:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
