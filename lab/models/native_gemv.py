@@ -7,8 +7,9 @@ so the step's speed is the speed at which the weights are read. MKL's sgemv (thr
 well below the machine's bandwidth on this 2-core CPU (docs/benchmarks.md, "Native GEMV"); this kernel
 sweeps W as four side-by-side sequential DRAM streams (four rows at a time, one from each quarter of the
 matrix, one 8-wide FMA accumulator per weight row and input row, input rows in pairs so each weight load
-serves two) with a masked tail for `in % 8`, its rows split over torch's intra-op threads (THREADS below,
-at::parallel_for).
+serves two, or three: a verify step of 3 tokens reads each weight once) with a masked tail for `in % 8`, its
+rows split over torch's intra-op threads (THREADS below, at::parallel_for). `gemv_f16` is the same sweep over
+fp16 weights widened in registers (F16C): half the bytes, for drafters, whose outputs need not be exact.
 The other kernels replace chains of 3-10 small torch ops whose dispatch cost, not their arithmetic,
 dominated the rest of the step (docs/profiling.md).
 
@@ -117,6 +118,41 @@ static inline void dot_quad2(const float* w0, const float* w1, const float* w2, 
   *yb = hsum4x8(b0, b1, b2, b3);
 }
 
+// Four weight rows against three input rows: 12 accumulators, each weight vector loaded once and used three
+// times, so a verify step of 3 tokens streams each quad from DRAM once with no second pass over it from L1.
+// The same order per (weight row, input row) as dot_quad and dot_quad2: bit-identical results.
+static inline void dot_quad3(const float* w0, const float* w1, const float* w2, const float* w3,
+                             const float* __restrict xa, const float* __restrict xb, const float* __restrict xc,
+                             const Tail& ta, const Tail& tb, const Tail& tc, __m128* ya, __m128* yb, __m128* yc) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < ta.n8; k += 8) {
+    const __m256 u = _mm256_loadu_ps(xa + k), v = _mm256_loadu_ps(xb + k), x = _mm256_loadu_ps(xc + k);
+    __m256 w = _mm256_loadu_ps(w0 + k);
+    a0 = _mm256_fmadd_ps(w, u, a0); b0 = _mm256_fmadd_ps(w, v, b0); c0 = _mm256_fmadd_ps(w, x, c0);
+    w = _mm256_loadu_ps(w1 + k);
+    a1 = _mm256_fmadd_ps(w, u, a1); b1 = _mm256_fmadd_ps(w, v, b1); c1 = _mm256_fmadd_ps(w, x, c1);
+    w = _mm256_loadu_ps(w2 + k);
+    a2 = _mm256_fmadd_ps(w, u, a2); b2 = _mm256_fmadd_ps(w, v, b2); c2 = _mm256_fmadd_ps(w, x, c2);
+    w = _mm256_loadu_ps(w3 + k);
+    a3 = _mm256_fmadd_ps(w, u, a3); b3 = _mm256_fmadd_ps(w, v, b3); c3 = _mm256_fmadd_ps(w, x, c3);
+  }
+  if (ta.rem) {
+    __m256 w = _mm256_maskload_ps(w0 + ta.n8, ta.mask);
+    a0 = _mm256_fmadd_ps(w, ta.x, a0); b0 = _mm256_fmadd_ps(w, tb.x, b0); c0 = _mm256_fmadd_ps(w, tc.x, c0);
+    w = _mm256_maskload_ps(w1 + ta.n8, ta.mask);
+    a1 = _mm256_fmadd_ps(w, ta.x, a1); b1 = _mm256_fmadd_ps(w, tb.x, b1); c1 = _mm256_fmadd_ps(w, tc.x, c1);
+    w = _mm256_maskload_ps(w2 + ta.n8, ta.mask);
+    a2 = _mm256_fmadd_ps(w, ta.x, a2); b2 = _mm256_fmadd_ps(w, tb.x, b2); c2 = _mm256_fmadd_ps(w, tc.x, c2);
+    w = _mm256_maskload_ps(w3 + ta.n8, ta.mask);
+    a3 = _mm256_fmadd_ps(w, ta.x, a3); b3 = _mm256_fmadd_ps(w, tb.x, b3); c3 = _mm256_fmadd_ps(w, tc.x, c3);
+  }
+  *ya = hsum4x8(a0, a1, a2, a3);
+  *yb = hsum4x8(b0, b1, b2, b3);
+  *yc = hsum4x8(c0, c1, c2, c3);
+}
+
 static inline void store_quad(float* y, int64_t i0, int64_t Q, __m128 v) {
   alignas(16) float s[4];
   _mm_store_ps(s, v);
@@ -142,6 +178,16 @@ static void gemv_rows(const float* __restrict w, int64_t ld, const float* __rest
     const float* w0 = w + i0 * ld; const float* w1 = w0 + Q * ld; const float* w2 = w1 + Q * ld;
     const float* w3 = w2 + Q * ld;
     int64_t m = 0;
+    // NOTE: input rows in threes, then a pair: 3 and 5 rows (verify steps of k = 2, 4) pass over the quad once
+    // and twice instead of twice and three times.
+    for (; m + 3 <= M; m += 3) {
+      __m128 ya, yb, yc;
+      dot_quad3(w0, w1, w2, w3, x + m * in, x + (m + 1) * in, x + (m + 2) * in, tails[m], tails[m + 1],
+                tails[m + 2], &ya, &yb, &yc);
+      store_quad(y + m * out, i0, Q, ya);
+      store_quad(y + (m + 1) * out, i0, Q, yb);
+      store_quad(y + (m + 2) * out, i0, Q, yc);
+    }
     for (; m + 2 <= M; m += 2) {
       __m128 ya, yb;
       dot_quad2(w0, w1, w2, w3, x + m * in, x + (m + 1) * in, tails[m], tails[m + 1], &ya, &yb);
