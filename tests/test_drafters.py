@@ -23,6 +23,7 @@ from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
+from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training.data import DataConfig, Sequence, reference_sequences
 from lab.training.recipe import TrainConfig, train_drafter
@@ -166,29 +167,35 @@ def test_min_confidence_drafts_fewer_tokens_and_stays_lossless(trained: dict, ki
     drafted = {}
     for threshold in (0.0, 0.3, 1.0):
         config = _proposer(kind, trained[kind][0])
-        config.min_confidence = threshold
+        config.min_confidence, config.always_draft = threshold, int(threshold == 1.0)
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3,
                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
-        drafted[threshold] = engine.stats()["spec_decode_num_draft_tokens"]
+        stats = engine.stats()
+        drafted[threshold] = stats["spec_decode_num_draft_tokens"]
+        if threshold == 1.0:
+            # NOTE: min_confidence 1 with always_draft 1: every draft is its first position only
+            assert 0 < stats["spec_decode_num_drafts"] == drafted[1.0], stats
         if threshold == 0.3:
             sampled = [[r.output_token_ids for r in engine.run(make_requests(prompts[:3], 12, ignore_eos=True,
                                                                              temperature=0.8, seed=5)).requests]
                        for _ in range(2)]
             assert sampled[0] == sampled[1] and all(len(tokens) == 12 for tokens in sampled[0])
-    assert drafted[1.0] <= drafted[0.3] < drafted[0.0], drafted
+    assert drafted[1.0] < drafted[0.0] and drafted[0.3] < drafted[0.0], drafted
 
 
-def test_confident_length_keeps_the_prefix_above_the_threshold(trained: dict, tiny_runner: ModelRunner) -> None:
+def test_the_confidence_gate_keeps_the_prefix_above_the_threshold(trained: dict, tiny_runner: ModelRunner) -> None:
+    gate = ConfidenceGate(min_confidence=0.3)
+    assert gate.length([0.9, 0.5, 0.5]) == 2          # products 0.9, 0.45, then 0.225 < 0.3
+    assert gate.length([0.9, 0.5, 0.9]) == 3 and gate.may_extend([0.9, 0.5])
+    assert gate.length([0.2, 1.0]) == 0 and not gate.may_extend([0.2])
+    assert gate.length([]) == 0 and ConfidenceGate().length([0.01, 0.01]) == 2
+    first_free = ConfidenceGate(min_confidence=0.5, always_draft=1)
+    assert first_free.length([0.2, 0.9]) == 1 and first_free.may_extend([]) and not first_free.may_extend([0.2])
+    assert first_free.length([0.8, 0.7]) == 2 and first_free.may_extend([0.8])
     config = _proposer("eagle", trained["eagle"][0])
-    config.min_confidence = 0.3
-    proposer = config.build(tiny_runner, 64, 4)
-    assert proposer.confident_length([0.9, 0.5, 0.5]) == 2          # products 0.9, 0.45, then 0.225 < 0.3
-    assert proposer.confident_length([0.9, 0.5, 0.9]) == 3
-    assert proposer.confident_length([0.2, 1.0]) == 0
-    assert proposer.confident_length([]) == 0
     config.min_confidence = 1.5
-    with pytest.raises(LabError, match="min_confidence must be in"):
+    with pytest.raises(LabError, match="min_confidence <= 1"):
         config.build(tiny_runner, 64, 4)
 
 

@@ -17,7 +17,7 @@ from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.request import Request
 from lab.runner import ModelRunner
-from lab.spec.feature_proposer import FeatureProposer, build_drafter
+from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft, pick_draft_tokens
 
 
@@ -42,8 +42,8 @@ class _ContextKV:
 
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
-                 half_weights: bool = False, min_confidence: float = 0.0) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, min_confidence)
+                 half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate)
         self.block_size = drafter.block_size
         self.contexts: dict[str, _ContextKV] = {}
 
@@ -102,11 +102,11 @@ class DFlashProposer(FeatureProposer):
         out = {}
         for row, (request, generator) in enumerate(pairs):
             tokens, probs = pick_draft_tokens(logits[row], [request.sampling_params] * k, [generator] * k)
-            if self.min_confidence > 0:
+            if self.gate.active:
                 # NOTE: the whole block is drafted at once; only its confident head goes to verification.
                 confidence = [float((q if q is not None else torch.softmax(logits[row, j], -1)).max())
                               for j, q in enumerate(probs)]
-                length = self.confident_length(confidence)
+                length = self.gate.length(confidence)
                 tokens, probs = tokens[:length], probs[:length]
             if tokens:
                 out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))
@@ -118,8 +118,8 @@ class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
     first N token ids only (0: all); half_weights: stream fp16 copies of the weights in few-row products;
-    min_confidence: verify the block's drafts while the product of their confidences stays >= it (0: all k;
-    lab/spec/feature_proposer.py)."""
+    min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
+    confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
     seed: int = 0
@@ -127,6 +127,7 @@ class DFlashProposerConfig:
     draft_vocab_size: int = 8192
     half_weights: bool = True
     min_confidence: float = 0.0
+    always_draft: int = 0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -141,4 +142,5 @@ class DFlashProposerConfig:
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
-        return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights, self.min_confidence)
+        return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
+                              ConfidenceGate(self.min_confidence, self.always_draft))

@@ -20,14 +20,14 @@ from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
-from lab.spec.feature_proposer import FeatureProposer, build_drafter
+from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
 
 
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
-                 draft_vocab_size: int = 0, half_weights: bool = False, min_confidence: float = 0.0) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, min_confidence)
+                 draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate)
         c = target.config
         # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
@@ -87,11 +87,11 @@ class EagleProposer(FeatureProposer):
         features = self._forward(seqs, token_ids, torch.cat(prev))                             # (R, H)
         drafted, probs, confidence = self.pick(features, params, gens)
         tokens, dists, confidences = [[t] for t in drafted], [[q] for q in probs], [[c] for c in confidence]
-        live = [row for row in range(len(active)) if self.confident_length(confidences[row]) == 1]
+        live = [row for row in range(len(active)) if self.gate.may_extend(confidences[row])]
         features = features[live]                                                              # (len(live), H)
         for i in range(1, num_spec_tokens):
             if not live:
-                break   # NOTE: every chain fell below min_confidence: no more drafter forwards
+                break   # NOTE: no chain can pass the confidence gate any more: no more drafter forwards
             step = [SeqSlice(seqs[r].block_table, seqs[r].num_context_tokens + seqs[r].num_query_tokens + i - 1, 1)
                     for r in live]
             features = self._forward(step, [tokens[r][-1] for r in live], features)
@@ -100,13 +100,13 @@ class EagleProposer(FeatureProposer):
                 tokens[r].append(token)
                 dists[r].append(q)
                 confidences[r].append(c)
-            kept = [j for j, r in enumerate(live) if self.confident_length(confidences[r]) == i + 1]
+            kept = [j for j, r in enumerate(live) if self.gate.may_extend(confidences[r])]
             live, features = [live[j] for j in kept], features[kept]
         out = {}
         for row, (request, _) in enumerate(active):
             # NOTE: only positions fed real target features stay valid; the chain's are recomputed next time.
             self.kv.commit(request.request_id, request.all_token_ids)
-            length = self.confident_length(confidences[row])
+            length = self.gate.length(confidences[row])
             if length:
                 row_dists = dists[row][:length]
                 out[request.request_id] = Draft(tokens[row][:length],
@@ -118,14 +118,15 @@ class EagleProposer(FeatureProposer):
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
     draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
-    the head's weights; min_confidence: draft while the product of the head's confidences stays >= it (0: off;
-    lab/spec/feature_proposer.py)."""
+    the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
+    confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py)."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle.pt"
     seed: int = 0
     draft_vocab_size: int = 8192
     half_weights: bool = True
     min_confidence: float = 0.0
+    always_draft: int = 0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
@@ -136,4 +137,4 @@ class EagleProposerConfig:
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
         drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
         return EagleProposer(target, drafter, num_blocks, block_size, self.draft_vocab_size, self.half_weights,
-                             self.min_confidence)
+                             ConfidenceGate(self.min_confidence, self.always_draft))

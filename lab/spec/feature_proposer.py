@@ -15,14 +15,18 @@ At batch 1 a drafter step is a few matrix-vector products whose cost is the byte
 instead (fp32 arithmetic): the checkpoint is stored in fp16, so the drafter's own weights lose nothing; the
 head's logits move by ~1e-3 of their spread, which can only change which token is drafted, never the output.
 
-`min_confidence` drafts only while the product of the drafter's confidences (its distribution's largest
-probability at each position) stays at or above it, as suffix decoding does with its counts: a draft the
-drafter itself doubts costs a verify row (on CPU ~4-9 % of a plain step each) for little chance of a token.
+A ConfidenceGate (`min_confidence`, `always_draft`) drafts only while the product of the drafter's confidences
+(its distribution's largest probability at each position) stays at or above it, as suffix decoding does with
+its counts: a draft the drafter itself doubts costs a verify row and, for EAGLE, a drafter step, for little
+chance of a token.
 
 Owns: building the drafter for a target, the FeatureStore, turning drafter hidden states into tokens.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -79,13 +83,47 @@ def draft_head(target: ModelRunner, draft_vocab_size: int, half_weights: bool = 
     return head.eval()
 
 
+@dataclass(frozen=True, slots=True)
+class ConfidenceGate:
+    """Which drafts to keep: while the product of the drafter's confidences (its distribution's largest
+    probability at each position) stays >= `min_confidence`; the first `always_draft` positions are kept
+    whatever their confidence (their confidences still count in the product). min_confidence 0: all.
+
+    NOTE: lossless with sampling too: a confidence is the maximum of q at that position, which depends only on
+    the tokens before it, never on the token drawn there (a rule that looked at the drawn token would bias
+    which drafts reach the rejection sampler)."""
+
+    min_confidence: float = 0.0
+    always_draft: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_confidence <= 1.0 or self.always_draft < 0:
+            raise LabError(f"engine.proposer needs 0 <= min_confidence <= 1 and always_draft >= 0, got "
+                           f"{self.min_confidence} and {self.always_draft}",
+                           "e.g. min_confidence=0.5 always_draft=1 (min_confidence=0 drafts every position)")
+
+    @property
+    def active(self) -> bool:
+        return self.min_confidence > 0
+
+    def length(self, confidence: list[float]) -> int:
+        """How many leading drafts to keep."""
+        product = 1.0
+        for length, value in enumerate(confidence):
+            product *= value
+            if length >= self.always_draft and product < self.min_confidence:
+                return length
+        return len(confidence)
+
+    def may_extend(self, confidence: list[float]) -> bool:
+        """Whether a draft with these confidences, all kept, could keep one more (the product only falls)."""
+        return len(confidence) < self.always_draft or math.prod(confidence) >= self.min_confidence
+
+
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
-                 half_weights: bool = False, min_confidence: float = 0.0) -> None:
-        if not 0.0 <= min_confidence <= 1.0:
-            raise LabError(f"engine.proposer.min_confidence must be in [0, 1], got {min_confidence}",
-                           "use 0 (draft every position) or e.g. 0.3")
-        self.min_confidence = min_confidence
+                 half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
+        self.gate = gate or ConfidenceGate()
         self.target = target.model
         self.drafter = drafter
         self.vocab_size = target.config.vocab_size
@@ -120,8 +158,8 @@ class FeatureProposer:
     def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
              ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
         """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
-        drafter's confidence: the largest probability of its distribution there; 1.0 when min_confidence is 0)."""
-        gated = self.min_confidence > 0
+        drafter's confidence: the largest probability of its distribution there; 1.0 when the gate is off)."""
+        gated = self.gate.active
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
             head = self.draft_head(self.output_norm(hidden)).float()                         # (R, N)
@@ -133,19 +171,6 @@ class FeatureProposer:
         if gated:
             confidence = [float((q if q is not None else torch.softmax(row, -1)).max()) for row, q in zip(logits, probs)]
         return tokens, probs, confidence
-
-    def confident_length(self, confidence: list[float]) -> int:
-        """How many leading drafts to keep: while the product of the confidences stays >= min_confidence.
-
-        NOTE: lossless with sampling too: a confidence is the maximum of q at that position, which depends
-        only on the tokens before it, never on the token drawn there (a rule that looked at the drawn
-        token would bias which drafts reach the rejection sampler)."""
-        product = 1.0
-        for length, value in enumerate(confidence):
-            product *= value
-            if product < self.min_confidence:
-                return length
-        return len(confidence)
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's
