@@ -80,8 +80,11 @@ def swept_params(configs: list[dict[str, Any]]) -> dict[str, list[Any]]:
     varying = {k: [f.get(k) for f in flat] for k in keys if len({repr(f.get(k)) for f in flat}) > 1}
     params: dict[str, list[Any]] = {}
     for key, values in varying.items():
-        group = key.rsplit(".", 1)[0] if "." in key else None
-        if group and f"{group}.name" in varying:  # NOTE: a swept config group (engine=ar,hf) is one parameter
+        parts = key.split(".")
+        # NOTE: a swept config group (engine=ar,hf) is one parameter, nested keys included (engine.proposer.*)
+        groups = [".".join(parts[:i]) for i in range(1, len(parts))]
+        group = next((g for g in groups if f"{g}.name" in varying), None)
+        if group:
             key, values = group, varying[f"{group}.name"]
         if key not in params and all(values != v for v in params.values()):  # seed and workload.seed: one
             params[key] = values

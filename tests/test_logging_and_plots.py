@@ -156,8 +156,11 @@ def write_job(sweep_dir: Path, num: int, engine: str, input_len: int, seed: int 
 
 
 def test_swept_parameters_are_the_config_keys_that_differ() -> None:
+    engines = [{"name": "ar", "use_kv_cache": True, "proposer": {"min_confidence": 0.3}},
+               {"name": "hf", "batch_size": 1, "proposer": {"min_confidence": 0.0, "always_draft": 1}}]
     configs = [{"seed": s, "engine": e, "workload": {"input_len": n, "seed": s, "num_prompts": 2}}
-               for s, e, n in [(0, {"name": "ar", "use_kv_cache": True}, 8), (1, {"name": "hf", "batch_size": 1}, 16)]]
+               for s, e, n in [(0, engines[0], 8), (1, engines[1], 16)]]
+    # NOTE: keys nested under a swept group (engine.proposer.*) belong to it, not parameters of their own
     assert plots.swept_params(configs) == {"seed": [0, 1], "engine": ["ar", "hf"], "workload.input_len": [8, 16]}
 
 
