@@ -14,7 +14,8 @@ DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN
 53 / 63, the native panel GEMM 80-91 at 64 rows; at one row the native GEMV reads the weights at 23-26
 GB/s against 13-24 for MKL's gemv on the column-major weight and 11-18 on the row-major one; at 2 / 5 / 8 / 12 rows a native call costs ~1.05 /
 1.5 / 2.0 / 2.7 one-row calls against 2.0-2.6 / 2.3-2.7 / 2.4-3.9 / 3.1-3.9 for oneDNN
-(experiments/bench_gemv.py --rows).
+(experiments/bench_gemv.py --rows); since input rows go in threes, 3 / 5 / 8 rows cost ~1.2-1.3 / 1.2-1.6 /
+1.6-1.9 (a whole verify step of 3 / 5 / 8 tokens: 1.15 / 1.33 / 1.65 plain steps, docs/speculative.md).
 docs/benchmarks.md, docs/profiling.md.
 """
 
