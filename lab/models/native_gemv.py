@@ -303,6 +303,8 @@ at::Tensor gemv_f16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, 
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv_f16: x must have rows of ", in, " values");
   const int64_t M = x.numel() / in;
   TORCH_CHECK(M <= 64, "gemv_f16: at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == out), "gemv_f16: bias must be fp32 (out,)");
   at::Tensor xc = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = out;
@@ -315,10 +317,7 @@ at::Tensor gemv_f16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, 
     if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
     at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_f16_rows(wp, ld, xp, M, yp, out, in, r0, r1); });
   }
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, "gemv_f16: bias must be fp32 (out,)");
-    y.add_(*bias);
-  }
+  if (has_bias) y.add_(*bias);
   return y;
 }
 

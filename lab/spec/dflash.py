@@ -17,7 +17,7 @@ from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.request import Request
 from lab.runner import ModelRunner
-from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
+from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter, confidences
 from lab.spec.proposer import Draft, pick_draft_tokens
 
 
@@ -104,9 +104,7 @@ class DFlashProposer(FeatureProposer):
             tokens, probs = pick_draft_tokens(logits[row], [request.sampling_params] * k, [generator] * k)
             if self.gate.active:
                 # NOTE: the whole block is drafted at once; only its confident head goes to verification.
-                confidence = [float((q if q is not None else torch.softmax(logits[row, j], -1)).max())
-                              for j, q in enumerate(probs)]
-                length = self.gate.length(confidence)
+                length = self.gate.length(confidences(logits[row], probs))
                 tokens, probs = tokens[:length], probs[:length]
             if tokens:
                 out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))

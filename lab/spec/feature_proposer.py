@@ -120,6 +120,12 @@ class ConfidenceGate:
         return len(confidence) < self.always_draft or math.prod(confidence) >= self.min_confidence
 
 
+def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[float]:
+    """Per row the largest probability of the distribution drafted from: q where sampled, softmax(logits) where
+    greedy. logits (R, V), probs: R entries."""
+    return [float((q if q is not None else torch.softmax(row, -1)).max()) for row, q in zip(logits, probs)]
+
+
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
@@ -167,10 +173,7 @@ class FeatureProposer:
             return head.argmax(-1).tolist(), [None] * len(params), confidence
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
-        confidence = [1.0] * len(params)
-        if gated:
-            confidence = [float((q if q is not None else torch.softmax(row, -1)).max()) for row, q in zip(logits, probs)]
-        return tokens, probs, confidence
+        return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params)
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's

@@ -101,10 +101,9 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     if train.init_from:
         # NOTE: fine-tuning: the checkpoint fixes the drafter's shape; its command comes first in the new one, so
         # the recorded command still re-creates the weights from nothing.
-        previous = read_checkpoint(resolve_checkpoint(train.init_from))
-        drafter = load_drafter(resolve_checkpoint(train.init_from), kind, target.model,
-                               target.source.hf_config).float()
-        command = f"{previous['command']} && {command}"
+        path = resolve_checkpoint(train.init_from)
+        drafter = load_drafter(path, kind, target.model, target.source.hf_config).float()
+        command = f"{read_checkpoint(path)['command']} && {command}"
     else:
         drafter = build_drafter(kind, target, options).float()
         init_from_target(drafter, target.model)
