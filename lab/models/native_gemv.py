@@ -203,15 +203,44 @@ static void gemv_rows(const float* __restrict w, int64_t ld, const float* __rest
       for (int64_t r = r0; r < r1; ++r) y[m * out + r] += bias[r];
 }
 
-// x (..., in) with M rows in all (M <= MAX_GEMV_ROWS); w (out, in) with unit stride along `in`; bias (out,)
-// or None -> (..., out).
+// What both GEMVs (fp32 and fp16 weights) check and share: W (out, in) row-major, x (..., in) with M <= 64 rows.
+struct GemvShape { int64_t out, in, ld, M; };
+
+static GemvShape check_gemv(const char* name, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), name, ": W must be row-major (out, in)");
+  const int64_t out = w.size(0), in = w.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, name, ": x must have rows of ", in, " values");
+  const int64_t M = x.numel() / in;
+  TORCH_CHECK(M <= 64, name, ": at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  return {out, in, w.stride(0), M};
+}
+
+static at::Tensor gemv_output(const at::Tensor& x, int64_t out) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  return at::empty(sizes, x.options());
+}
+
+// Calls rows(r0, r1) over [0, out). NOTE: max_threads 1 (see THREADS in native_gemv.py) runs on the calling
+// thread; otherwise each thread takes one contiguous block of rows, at least 256 KiB of weight, at most
+// max_threads blocks (0: as many as torch's intra-op threads).
+template <typename Rows>
+static void split_rows(int64_t out, int64_t row_bytes, int64_t max_threads, const Rows& rows) {
+  if (max_threads == 1) {
+    rows(0, out);
+    return;
+  }
+  int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / std::max<int64_t>(row_bytes, 1));
+  if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
+  at::parallel_for(0, out, grain, rows);
+}
+
+// x (..., in) with M rows in all (M <= 64); w (out, in) with unit stride along `in`; bias (out,) or None
+// -> (..., out).
 at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv: fp32 only");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), "gemv: W must be row-major (out, in)");
-  const int64_t out = w.size(0), in = w.size(1), ld = w.stride(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv: x must have rows of ", in, " values");
-  const int64_t M = x.numel() / in;
-  TORCH_CHECK(M <= 64, "gemv: at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  const GemvShape g = check_gemv("gemv", x, w);
+  const int64_t out = g.out, in = g.in, ld = g.ld, M = g.M;
   at::Tensor xc = x.contiguous();
   const float* bp = nullptr;
   at::Tensor bc;
@@ -220,20 +249,9 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int6
     TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == out, "gemv: bias must be fp32 (out,)");
     bp = bc.data_ptr<float>();
   }
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = gemv_output(x, out);
   const float* wp = w.data_ptr<float>(); const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
-  // NOTE: max_threads 1 (see THREADS in native_gemv.py) runs on the calling thread; otherwise each
-  // thread takes one contiguous block of rows, at least 256 KiB of weight, at most max_threads blocks (0: as
-  // many as torch's intra-op threads).
-  if (max_threads == 1) {
-    gemv_rows(wp, ld, xp, M, bp, yp, out, in, 0, out);
-  } else {
-    int64_t grain = std::max<int64_t>(16, (int64_t(1) << 16) / std::max<int64_t>(in, 1));
-    if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
-    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, M, bp, yp, out, in, r0, r1); });
-  }
+  split_rows(out, in * 4, max_threads, [&](int64_t r0, int64_t r1) { gemv_rows(wp, ld, xp, M, bp, yp, out, in, r0, r1); });
   return y;
 }
 
@@ -298,25 +316,14 @@ static void gemv_f16_rows(const at::Half* __restrict w, int64_t ld, const float*
 // -> (..., out) fp32.
 at::Tensor gemv_f16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kHalf, "gemv_f16: fp32 x, fp16 W");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.stride(0) >= w.size(1), "gemv_f16: W must be row-major (out, in)");
-  const int64_t out = w.size(0), in = w.size(1), ld = w.stride(0);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv_f16: x must have rows of ", in, " values");
-  const int64_t M = x.numel() / in;
-  TORCH_CHECK(M <= 64, "gemv_f16: at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  const GemvShape g = check_gemv("gemv_f16", x, w);
+  const int64_t out = g.out, in = g.in, ld = g.ld, M = g.M;
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->numel() == out), "gemv_f16: bias must be fp32 (out,)");
   at::Tensor xc = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
+  at::Tensor y = gemv_output(x, out);
   const at::Half* wp = w.data_ptr<at::Half>(); const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
-  if (max_threads == 1) {
-    gemv_f16_rows(wp, ld, xp, M, yp, out, in, 0, out);
-  } else {
-    int64_t grain = std::max<int64_t>(16, (int64_t(1) << 17) / std::max<int64_t>(in, 1));
-    if (max_threads > 1) grain = std::max(grain, (out + max_threads - 1) / max_threads);
-    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) { gemv_f16_rows(wp, ld, xp, M, yp, out, in, r0, r1); });
-  }
+  split_rows(out, in * 2, max_threads, [&](int64_t r0, int64_t r1) { gemv_f16_rows(wp, ld, xp, M, yp, out, in, r0, r1); });
   if (has_bias) y.add_(*bias);
   return y;
 }
