@@ -1,13 +1,16 @@
-"""Micro-benchmark: one EAGLE draft at batch 1 on SmolLM2-135M (`EagleProposer.propose`, k = 1), with the
-drafter's and the draft head's weights streamed in fp32 against their fp16 copies (`half_weights`).
+"""Micro-benchmark: one draft at batch 1 on SmolLM2-135M, with the drafter's and the draft head's weights
+streamed in fp32 against their fp16 copies (`half_weights`): EAGLE (`EagleProposer.propose`, k = 1 by
+default) or DFlash (`DFlashProposer.propose`: one block forward, k of its drafts read out).
 
-A draft first catches the head up over the tokens the target accepted since the last one (`--new`: 1 after
-a plain step, 2-5 after a verify, more when suffix decoding drafted meanwhile), then reads the draft head.
-Between two drafts the target's forward streams ~540 MB, so every call here follows a sweep over a 128 MB
-buffer: the weights come from DRAM, as in the engine. The two variants take turns call by call (ABBA), so
-a machine whose speed drifts slows both alike; the ratio is fp32 time / fp16 time in the same run.
+A draft first catches the drafter up over the tokens the target accepted since the last one (`--new`: 1
+after a plain step, 2-5 after a verify, more when suffix decoding drafted meanwhile), then reads the draft
+head. Between two drafts the target's forward streams ~540 MB, so every call here follows a sweep over a
+128 MB buffer: the weights come from DRAM, as in the engine. The two variants take turns call by call
+(ABBA), so a machine whose speed drifts slows both alike; the ratio is fp32 time / fp16 time in the same
+run. `--profile` prints where the fp16 draft's time goes (torch.profiler, by op).
 
     python experiments/bench_drafter.py --new 1,3,8
+    python experiments/bench_drafter.py --drafter dflash --k 7 --new 2 --profile
 """
 
 from __future__ import annotations
@@ -22,19 +25,21 @@ import torch
 from lab.models.sources import smollm2
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
-from lab.spec.eagle import EagleProposer, EagleProposerConfig
+from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.eagle import EagleProposerConfig
+from lab.spec.feature_proposer import FeatureProposer
 
 CONTEXT = 150      # tokens of context before the first draft
 
 
-def _request(proposer: EagleProposer, features: torch.Tensor) -> Request:
+def _request(proposer: FeatureProposer, features: torch.Tensor) -> Request:
     request = Request("r", list(range(100, 100 + CONTEXT)), SamplingParams(max_tokens=100_000))
     proposer.store.write("r", 0, features[:CONTEXT - 1])
     request.num_computed_tokens = CONTEXT - 1
     return request
 
 
-def _advance(proposer: EagleProposer, request: Request, features: torch.Tensor, num_new: int) -> None:
+def _advance(proposer: FeatureProposer, request: Request, features: torch.Tensor, num_new: int) -> None:
     """The target accepted `num_new` more tokens (their features are known up to the last one)."""
     for _ in range(num_new):
         request.output_token_ids.append(100 + request.num_tokens % 200)
@@ -48,14 +53,21 @@ def main() -> None:
     parser.add_argument("--new", default="1,3,8", help="comma-separated tokens accepted between two drafts")
     parser.add_argument("--calls", type=int, default=40, help="timed drafts per variant and setting")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--drafter", choices=("eagle", "dflash"), default="eagle")
+    parser.add_argument("--checkpoint", default=None, help="the drafter's checkpoint (default: the committed one)")
+    parser.add_argument("--k", type=int, default=1, help="drafts per call")
+    parser.add_argument("--profile", action="store_true", help="also profile 20 fp16 drafts by op")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
-    variants = {name: EagleProposerConfig(half_weights=half).build(runner, num_blocks=512, block_size=16)
+    config_cls = EagleProposerConfig if args.drafter == "eagle" else DFlashProposerConfig
+    checkpoint = {"checkpoint": args.checkpoint} if args.checkpoint else {}
+    variants = {name: config_cls(half_weights=half, **checkpoint).build(runner, num_blocks=512, block_size=16)
                 for name, half in (("fp32", False), ("fp16", True))}
-    features = torch.randn(CONTEXT + 40 * args.calls, runner.config.hidden_size)
+    width = runner.config.hidden_size * len(variants["fp16"].drafter.feature_layers)
+    features = torch.randn(CONTEXT + 40 * args.calls, width)
     flush = torch.ones(32 * 2**20)
-    print(f"# bench_drafter: EAGLE k=1 at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
+    print(f"# bench_drafter: {args.drafter} k={args.k} at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
           f"load average {os.getloadavg()[0]:.2f}")
     print("| tokens caught up | fp32 weights (ms) | fp16 weights (ms) | fp32 / fp16 |")
     print("|---:|---:|---:|---:|")
@@ -69,12 +81,19 @@ def main() -> None:
                 _advance(proposer, request, features, num_new)
                 flush.mul_(1.0)                                  # evict the drafter from the caches
                 start = time.perf_counter()
-                draft = proposer.propose([request], 1, [None])
+                draft = proposer.propose([request], args.k, [None])
                 if call >= 2:                                    # NOTE: the first two calls warm up
                     times[name].append(time.perf_counter() - start)
                 assert draft["r"].token_ids, "the benchmark request was not drafted"
         fp32, fp16 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16"))
         print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {fp32 / fp16:.2f}x |")
+    if args.profile:
+        proposer, request = variants["fp16"], requests["fp16"]
+        with torch.profiler.profile() as prof:
+            for _ in range(20):
+                _advance(proposer, request, features, num_new)
+                proposer.propose([request], args.k, [None])
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":

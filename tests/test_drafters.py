@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lab.drafters import load_drafter, target_fingerprint
+from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.engines.ar import AREngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
@@ -26,11 +27,13 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training.data import DataConfig, Sequence, reference_sequences
-from lab.training.recipe import TrainConfig, train_drafter
+from lab.training.recipe import TrainConfig, init_from_target, train_drafter
 from tests.helpers import make_requests
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
-OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0, "fuse_last_context": True}}
+OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0, "fuse_last_context": True,
+                                   "mask_per_position": True, "input_fusion": True,
+                                   "start_as_identity": True}}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -143,6 +146,45 @@ def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_r
                                    kv_cache=kv)
         assert not engine.kv_manager.enable_prefix_caching
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 10, ignore_eos=True)).requests] == expected
+
+
+def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) -> None:
+    """A shared mask gives every drafted offset the same input vector; one mask per offset does not; input fusion
+    starts every position from a projection of [first token, features before the block]. Shared-mask drafters
+    (older checkpoints) still build."""
+    hidden = tiny_runner.config.hidden_size
+    embeds, last = torch.randn(2, 3, hidden), torch.randn(2, 3, 2 * hidden)
+    for per_position, fusion in ((False, False), (True, False), (True, True)):
+        config = DFlashConfig(block_size=4, feature_layers=[0, 1], fuse_last_context=True,
+                              mask_per_position=per_position, input_fusion=fusion)
+        drafter = DFlashDrafter(tiny_runner.config, config)
+        blocks = drafter.block_inputs(embeds, last).view(2, 3, 4, hidden)               # (S, M, B, H)
+        start = (drafter.input_fc(torch.cat((embeds, drafter.context_stream(last)), -1)) if fusion
+                 else embeds + drafter.context_stream(last))
+        torch.testing.assert_close(blocks[:, :, 0], start)
+        offsets = drafter.mask_embedding.expand(2, 3, 3, hidden)
+        torch.testing.assert_close(blocks[:, :, 1:], offsets + (start[:, :, None] if fusion else
+                                                                 drafter.context_stream(last)[:, :, None]))
+        assert torch.equal(blocks[0, 0, 1], blocks[0, 0, 2]) != per_position
+
+
+def test_dflash_identity_start_repeats_the_target_one_position_early(tiny_runner: ModelRunner) -> None:
+    """`start_as_identity`: before training, every block position outputs the target's own state at the position
+    before the block, up to the offset's small mask embedding."""
+    target = tiny_runner.model
+    last_layer = tiny_runner.config.num_layers - 1
+    drafter = DFlashDrafter(tiny_runner.config, DFlashConfig(block_size=4, feature_layers=[0, last_layer],
+                                                             mask_per_position=True, input_fusion=True))
+    init_from_target(drafter, target, identity=True)
+    hidden = tiny_runner.config.hidden_size
+    features = torch.randn(1, 5, 2 * hidden) * 3                                       # (S, C, L*H)
+    kv = drafter.context_kv(features, torch.arange(5)[None])
+    embeds = target.embed_tokens(torch.tensor([[7]]))
+    inputs = drafter.block_inputs(embeds, features[:, -1:])
+    with torch.no_grad():
+        out = drafter(inputs, torch.arange(5, 9)[None], kv, torch.ones(1, 1, 4, 9, dtype=torch.bool))
+        torch.testing.assert_close(out[0, 0], target.norm(features[0, -1, hidden:]))
+        torch.testing.assert_close(out[0, 1:] - drafter.mask_embedding, target.norm(features[0, -1:, hidden:]).expand(3, -1))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])

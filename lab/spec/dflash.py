@@ -17,8 +17,8 @@ from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.request import Request
 from lab.runner import ModelRunner
-from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter, confidences
-from lab.spec.proposer import Draft, pick_draft_tokens
+from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
+from lab.spec.proposer import Draft
 
 
 class _ContextKV:
@@ -90,24 +90,27 @@ class DFlashProposer(FeatureProposer):
             sees[row, :, :, :context.length] = True
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
         last_features = None
-        if self.drafter.config.fuse_last_context:   # the features of the token before each block
+        if self.drafter.reads_last_context:   # the features of the token before each block
             last_features = torch.cat([self.store.read(r.request_id, r.num_tokens - 2, r.num_tokens - 1)
                                        for r in active])[:, None]                            # (S, 1, L*H)
         embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_features)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
         hidden = self.drafter(embeds, positions, [(padded[i, 0], padded[i, 1]) for i in range(layers)], sees)
-        logits = self.logits(hidden[:, 1:k + 1])                                                # (S, k, V)
         self.num_forwards += 1
+        # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
+        params = [r.sampling_params for r in active for _ in range(k)]
+        tokens, probs, confidence = self.pick(hidden[:, 1:k + 1].reshape(num_seqs * k, -1), params,
+                                              [g for _, g in pairs for _ in range(k)])
         out = {}
-        for row, (request, generator) in enumerate(pairs):
-            tokens, probs = pick_draft_tokens(logits[row], [request.sampling_params] * k, [generator] * k)
-            if self.gate.active:
-                # NOTE: the whole block is drafted at once; only its confident head goes to verification.
-                length = self.gate.length(confidences(logits[row], probs))
-                tokens, probs = tokens[:length], probs[:length]
-            if tokens:
-                out[request.request_id] = Draft(tokens, None if probs[0] is None else torch.stack(probs))
+        for row, request in enumerate(active):
+            span = slice(row * k, (row + 1) * k)
+            # NOTE: the whole block is drafted at once; only its confident head goes to verification.
+            length = self.gate.length(confidence[span]) if self.gate.active else k
+            if length:
+                drafted = probs[span][:length]
+                out[request.request_id] = Draft(tokens[span][:length],
+                                                None if drafted[0] is None else torch.stack(drafted))
         return out
 
 
@@ -135,7 +138,8 @@ class DFlashProposerConfig:
                 config = DFlashConfig(**dict(self.drafter))
             except TypeError as exc:
                 raise LabError(f"engine.proposer.drafter has an unknown key ({exc})",
-                               "use block_size, num_layers, feature_layers, intermediate_size") from exc
+                               "use block_size, num_layers, feature_layers, intermediate_size, fuse_last_context, "
+                               "mask_per_position, input_fusion") from exc
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)

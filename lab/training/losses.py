@@ -100,8 +100,8 @@ def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | 
 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
-                gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
+                per_offset: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
     block = drafter.block_size
     anchors = sample_anchors(batch, num_anchors, generator)                        # (S, M)
@@ -137,8 +137,14 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     correct[keep] = logits.argmax(-1) == targets
     # NOTE: greedy acceptance length of each block = 1 + the run of correct predictions from its start.
     accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)                      # (S, M)
-    return ce, {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
-                "acceptance_length": float(1 + accepted.mean())}
+    metrics = {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
+               "top1_first": float(correct[..., 0][keep[..., 0]].float().mean()),   # offset 1 alone (EAGLE's task)
+               "acceptance_length": float(1 + accepted.mean())}
+    if per_offset:   # top-1 at every offset j, and the share of blocks whose first j drafts are all right
+        for j in range(block - 1):
+            metrics[f"top1_at_{j + 1}"] = float(correct[..., j][keep[..., j]].float().mean())
+            metrics[f"run_at_least_{j + 1}"] = float((accepted >= j + 1).float().mean())
+    return ce, metrics
 
 
 def _head(target: DecoderModel, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -45,8 +45,10 @@ class TrainConfig:
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
 
 
-def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
-    """Copy the target's last layers into the drafter's layers where shapes agree (a warm start)."""
+def init_from_target(drafter: nn.Module, target: DecoderModel, identity: bool = True) -> None:
+    """Copy the target's last layers into the drafter's layers where shapes agree (a warm start); then, when
+    `identity`, start from a drafter that repeats the target's own prediction one position early (EAGLE always;
+    DFlash when it fuses the last context position into its block)."""
     if isinstance(drafter, EagleDrafter):
         pairs = [(drafter.layer, target.layers[-1])]
         names = {}
@@ -65,6 +67,8 @@ def init_from_target(drafter: nn.Module, target: DecoderModel) -> None:
         mine.load_state_dict(state)
     if isinstance(drafter, EagleDrafter):
         start_as_identity(drafter)
+    elif identity and drafter.reads_last_context and len(target.layers) - 1 in drafter.feature_layers:
+        start_dflash_as_identity(drafter, target)
 
 
 def start_as_identity(drafter: EagleDrafter) -> None:
@@ -80,9 +84,29 @@ def start_as_identity(drafter: EagleDrafter) -> None:
         drafter.layer.mlp.down_proj.weight.zero_()
 
 
+def start_dflash_as_identity(drafter: DFlashDrafter, target: DecoderModel) -> None:
+    """DFlash's counterpart of EAGLE's identity start: the context stream starts as the target's own final norm
+    of its last layer's state (the other layers' columns at zero) and the layers' residual branches at zero, so
+    every block position first outputs the target's distribution at the position before the block. Without it
+    the random projection gave 10 % top-1 at offset 1 after 800 steps, where EAGLE reaches 47 %."""
+    hidden = target.norm.weight.shape[0]
+    column = drafter.feature_layers.index(len(target.layers) - 1) * hidden
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, column:column + hidden].copy_(torch.eye(hidden))
+        drafter.context_norm.weight.copy_(target.norm.weight)
+        if drafter.input_fc is not None:   # the context half passes through; the token's half starts at zero
+            drafter.input_fc.weight.zero_()
+            drafter.input_fc.weight[:, hidden:].copy_(torch.eye(hidden))
+        for layer in drafter.layers:
+            layer.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
     keys = {"eagle": ("feature_layer", "intermediate_size"),
-            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context")}[kind]
+            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context",
+                       "mask_per_position", "input_fusion")}[kind]
     settings = {k: (list(v) if k == "feature_layers" else v) for k, v in options.items() if k in keys}
     if kind == "eagle":
         return EagleDrafter(target.config, EagleConfig(**settings), target.source.hf_config)
@@ -106,7 +130,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         command = f"{read_checkpoint(path)['command']} && {command}"
     else:
         drafter = build_drafter(kind, target, options).float()
-        init_from_target(drafter, target.model)
+        init_from_target(drafter, target.model, bool(options.get("start_as_identity", False)))
     target_model = target.model.float().eval()
     for p in target_model.parameters():
         p.requires_grad_(False)

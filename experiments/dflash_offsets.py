@@ -1,0 +1,69 @@
+"""Where a DFlash drafter's accepted tokens come from: top-1 agreement with the target at every block offset,
+and the share of blocks whose first j drafts are all right (greedy acceptance reaches j + 1), on the
+held-out answers the training run validates on (the target's own, never trained on).
+
+A block drafter must guess offset j without the j - 1 tokens before it, so its agreement falls with j; the
+acceptance length is 1 + the sum of the run shares. Several checkpoints side by side:
+
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt /tmp/dflash_new.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fingerprint
+from lab.models.sources import default_cache_dir, smollm2
+from lab.runner import ModelRunner
+from lab.training.data import DataConfig, load_training_data
+from lab.training.losses import dflash_loss, make_batch
+
+
+def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int) -> dict[str, dict[str, float]]:
+    """checkpoint -> metrics averaged over `num_sequences` held-out answers (the same anchors for every checkpoint)."""
+    results = {}
+    for path in paths:
+        drafter = load_drafter(resolve_checkpoint(path), "dflash", runner.model, runner.source.hf_config).float()
+        data = DataConfig(num_prompts=320, feature_layers=tuple(drafter.feature_layers))
+        sequences, features = load_training_data(runner, data, default_cache_dir() / "train" /
+                                                 target_fingerprint(runner.model))
+        totals: dict[str, float] = {}
+        generator = torch.Generator().manual_seed(1234)
+        batches = range(0, num_sequences, 4)
+        with torch.no_grad():
+            for i in batches:
+                batch = make_batch(sequences[i:i + 4], features[i:i + 4], 512)
+                _, metrics = dflash_loss(drafter, runner.model, batch, anchors, generator=generator,
+                                         draft_vocab_size=8192, per_offset=True)
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value / len(batches)
+        results[path] = totals
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoints", nargs="+")
+    parser.add_argument("--sequences", type=int, default=12, help="held-out answers (the training run's validation set)")
+    parser.add_argument("--anchors", type=int, default=64, help="blocks per answer")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runner = ModelRunner(smollm2(), dtype="float32")
+    results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors)
+    names = list(results)
+    print("| offset j | " + " | ".join(f"top-1 {i} | run >= j {i}" for i in range(len(names))) + " |")
+    print("|---|" + "---|---|" * len(names))
+    longest = max(sum(k.startswith("top1_at_") for k in r) for r in results.values())   # block sizes may differ
+    for j in range(1, 1 + longest):
+        cells = [f"{results[n][f'top1_at_{j}']:.3f} | {results[n][f'run_at_least_{j}']:.3f}"
+                 if f"top1_at_{j}" in results[n] else " | " for n in names]
+        print(f"| {j} | " + " | ".join(cells) + " |")
+    for i, name in enumerate(names):
+        r = results[name]
+        print(f"{i}: {name}: tau {r['acceptance_length']:.3f}, ce {r['ce']:.3f}, top-1 {r['top1_acc']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
