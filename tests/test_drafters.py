@@ -27,6 +27,7 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training.data import DataConfig, Sequence, reference_sequences
+from lab.training.losses import dflash_loss, make_batch
 from lab.training.recipe import TrainConfig, init_from_target, train_drafter
 from tests.helpers import make_requests
 
@@ -185,6 +186,24 @@ def test_dflash_identity_start_repeats_the_target_one_position_early(tiny_runner
         out = drafter(inputs, torch.arange(5, 9)[None], kv, torch.ones(1, 1, 4, 9, dtype=torch.bool))
         torch.testing.assert_close(out[0, 0], target.norm(features[0, -1, hidden:]))
         torch.testing.assert_close(out[0, 1:] - drafter.mask_embedding, target.norm(features[0, -1:, hidden:]).expand(3, -1))
+
+
+def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict, tiny_runner: ModelRunner) -> None:
+    """`dflash_loss(per_offset=True)` (experiments/dflash_offsets.py): tau = 1 + the sum over j of the share of
+    blocks whose first j drafts are all right; that share at j = 1 is offset 1's top-1 (`top1_first`)."""
+    drafter = load_drafter(trained["dflash"][0], "dflash", tiny_runner.model)
+    sequences = [Sequence(p + list(range(5, 25)), len(p)) for p in _prompts(4, seed=9)]
+    positions = [torch.arange(len(seq.token_ids))[None] for seq in sequences]
+    features = [tiny_runner.execute_with_features(torch.tensor([seq.token_ids]), pos, NoCache(),
+                                                  torch.tensor([0]), drafter.feature_layers)[1][0]
+                for seq, pos in zip(sequences, positions)]
+    with torch.no_grad():
+        _, metrics = dflash_loss(drafter, tiny_runner.model, make_batch(sequences, features, 96), num_anchors=8,
+                                 generator=torch.Generator().manual_seed(0), per_offset=True)
+    runs = [metrics[f"run_at_least_{j}"] for j in range(1, drafter.block_size)]
+    assert metrics["acceptance_length"] == pytest.approx(1 + sum(runs))
+    assert runs == sorted(runs, reverse=True) and runs[0] == pytest.approx(metrics["top1_first"])
+    assert 0.0 <= metrics["top1_at_2"] <= 1.0 and "top1_at_4" not in metrics   # block 4: offsets 1..3
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
