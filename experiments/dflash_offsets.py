@@ -18,28 +18,26 @@ from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fin
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, load_training_data
-from lab.training.losses import dflash_loss, make_batch
+from lab.training.losses import dflash_loss
+from lab.training.recipe import evaluate
 
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int) -> dict[str, dict[str, float]]:
-    """checkpoint -> metrics averaged over `num_sequences` held-out answers (the same anchors for every checkpoint)."""
+    """checkpoint -> metrics averaged over `num_sequences` held-out answers (the same anchors for every checkpoint:
+    the recipe's `evaluate`, with per-offset metrics)."""
+    cache_dir = default_cache_dir() / "train" / target_fingerprint(runner.model)
+    data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the held-out answers and features
     results = {}
     for path in paths:
         drafter = load_drafter(resolve_checkpoint(path), "dflash", runner.model, runner.source.hf_config).float()
-        data = DataConfig(num_prompts=320, feature_layers=tuple(drafter.feature_layers))
-        sequences, features = load_training_data(runner, data, default_cache_dir() / "train" /
-                                                 target_fingerprint(runner.model))
-        totals: dict[str, float] = {}
-        generator = torch.Generator().manual_seed(1234)
-        batches = range(0, num_sequences, 4)
-        with torch.no_grad():
-            for i in batches:
-                batch = make_batch(sequences[i:i + 4], features[i:i + 4], 512)
-                _, metrics = dflash_loss(drafter, runner.model, batch, anchors, generator=generator,
-                                         draft_vocab_size=8192, per_offset=True)
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value / len(batches)
-        results[path] = totals
+        if drafter.feature_layers not in data:
+            # NOTE: the training run's data settings (conf/train.yaml): its first answers are the validation set.
+            sequences, features = load_training_data(
+                runner, DataConfig(num_prompts=320, feature_layers=drafter.feature_layers), cache_dir)
+            data[drafter.feature_layers] = (sequences[:num_sequences], features[:num_sequences])
+        loss_fn = lambda model, batch, generator: dflash_loss(   # noqa: E731
+            model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
+        results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
     return results
 
 
