@@ -114,6 +114,28 @@ def test_training_goes_on_from_a_checkpoint(trained: dict, tiny_runner: ModelRun
                       tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
 
 
+def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tiny_runner: ModelRunner,
+                                                              tmp_path: Path) -> None:
+    """train.add_layers stacks identity layers on a trained DFlash drafter: validation before training equals the
+    checkpoint's, the new checkpoint records the deeper shape, and the option is refused without init_from."""
+    path, first = trained["dflash"]
+    train = TrainConfig(steps=2, batch_size=8, lr=1e-4, warmup_steps=1, max_seq_len=96, val_sequences=8,
+                        log_every=1000, val_every=0, init_from=str(path), add_layers=1)
+    options = dict(OPTIONS["dflash"])
+    metrics = train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), train, options, tmp_path / "deep.pt",
+                            "deeper", path.parent, log=lambda _: None)
+    assert metrics["val_before/ce"] == pytest.approx(first["val/ce"], rel=0.02)
+    deep = load_drafter(tmp_path / "deep.pt", "dflash", tiny_runner.model)
+    assert len(deep.layers) == len(load_drafter(path, "dflash", tiny_runner.model).layers) + 1
+    with pytest.raises(LabError, match="add_layers"):
+        train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(add_layers=1), options,
+                      tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
+    with pytest.raises(LabError, match="not EagleDrafter"):
+        train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40),
+                      TrainConfig(init_from=str(trained["eagle"][0]), add_layers=1), {}, tmp_path / "y.pt", "y",
+                      path.parent, log=lambda _: None)
+
+
 def _proposer(kind: str, path: Path):
     return EagleProposerConfig(checkpoint=str(path)) if kind == "eagle" else DFlashProposerConfig(checkpoint=str(path))
 
@@ -311,13 +333,15 @@ def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_r
         tiny_runner, 64, 4).draft_head is None
 
 
+@pytest.mark.parametrize("fallback", ["eagle", "dflash"])
 @pytest.mark.parametrize("max_num_seqs", [1, 4])
-def test_suffix_then_eagle_cascade_is_lossless_and_uses_both(trained: dict, max_num_seqs: int,
-                                                            tiny_runner: ModelRunner) -> None:
-    """Suffix decoding drafts where the context repeats itself, the trained EAGLE head everywhere else."""
+def test_suffix_then_drafter_cascade_is_lossless_and_uses_both(trained: dict, max_num_seqs: int, fallback: str,
+                                                              tiny_runner: ModelRunner) -> None:
+    """Suffix decoding drafts where the context repeats itself, the trained drafter everywhere else (suffix_eagle,
+    suffix_dflash); the drafter catches up over the tokens the suffix drafts got accepted."""
     prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:12]]   # a repeat: suffix decoding has matches
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
-    config = CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=str(trained["eagle"][0])),
+    config = CascadeProposerConfig(SuffixProposerConfig(), _proposer(fallback, trained[fallback][0]),
                                    fallback_num_spec_tokens=2)
     assert config.needs_target_features
     engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=4, kv_cache=KV,

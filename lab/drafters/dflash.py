@@ -86,8 +86,9 @@ class DFlashLayer(nn.Module):
         return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
-                context_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x (S, Q, H) block tokens; context k/v (S, Hkv, C, D); mask (S, 1, Q, C + Q), True = may attend."""
+                context_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x (S, Q, H) block tokens; context k/v (S, Hkv, C, D); mask (S, 1, Q, C + Q), True = may attend (None: all)
+        -> (S, Q, H)."""
         s, num_queries, _ = x.shape
         q, k, v = self._split(self.qkv_proj(self.input_layernorm(x)), cos, sin)
         k, v = torch.cat((context_k, k), dim=2), torch.cat((context_v, v), dim=2)   # (S, Hkv, C + Q, D)
@@ -154,7 +155,7 @@ class DFlashDrafter(nn.Module):
         return blocks.reshape(s, m * self.block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
         """block_embeds (S, Q, H), block_positions (S, Q), context_kv from `context_kv`, mask (S, 1, Q, C + Q)
         -> hidden (S, Q, H); the target's norm + LM head turn it into logits."""
         cos, sin = self.rotary(block_positions)

@@ -1,4 +1,4 @@
-"""CascadeProposer (proposer=suffix_eagle, or any pair): a free proposer first, a model drafter where it
+"""CascadeProposer (proposer=suffix_eagle, suffix_dflash, or any pair): a free proposer first, a model drafter where it
 has nothing to say.
 
 Suffix decoding drafts only where earlier text makes a continuation likely, and then several tokens
@@ -65,7 +65,7 @@ class CascadeProposer:
 
 @dataclass(slots=True)
 class CascadeProposerConfig:
-    """conf/engine/proposer/suffix_eagle.yaml: `primary` and `fallback` are proposer configs."""
+    """conf/engine/proposer/suffix_eagle.yaml, suffix_dflash.yaml: `primary` and `fallback` are proposer configs."""
 
     primary: Any = None
     fallback: Any = None

@@ -71,6 +71,23 @@ class DFlashProposer(FeatureProposer):
                 offset += num
         return contexts
 
+    def _batch_contexts(self, contexts: list[_ContextKV]
+                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """Per drafter layer the batch's context (k, v), each (S, Hkv, C, D), and the block's attention mask
+        (S, 1, B, C + B), or None when every request sees all C positions."""
+        if len(contexts) == 1:   # NOTE: batch 1: views of the request's cache; no padded copy, no mask
+            data = contexts[0].data[:, :, None, :, :contexts[0].length]                 # (layers, 2, 1, Hkv, C, D)
+            return [(layer[0], layer[1]) for layer in data], None
+        longest, block = max(c.length for c in contexts), self.block_size
+        layers, _, num_kv_heads, _, head_dim = contexts[0].data.shape
+        padded = contexts[0].data.new_zeros(layers, 2, len(contexts), num_kv_heads, longest, head_dim)
+        sees = torch.zeros(len(contexts), 1, block, longest + block, dtype=torch.bool, device=self.device)
+        sees[..., longest:] = True
+        for row, context in enumerate(contexts):
+            padded[:, :, row, :, :context.length] = context.data[:, :, :, :context.length]
+            sees[row, :, :, :context.length] = True
+        return [(layer[0], layer[1]) for layer in padded], sees
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
@@ -79,15 +96,8 @@ class DFlashProposer(FeatureProposer):
         if k < 1 or not pairs:
             return {}
         active = [r for r, _ in pairs]
-        contexts = self._extend_contexts(active)
-        num_seqs, block, longest = len(active), self.block_size, max(c.length for c in contexts)
-        layers, _, num_kv_heads, _, head_dim = contexts[0].data.shape
-        padded = contexts[0].data.new_zeros(layers, 2, num_seqs, num_kv_heads, longest, head_dim)
-        sees = torch.zeros(num_seqs, 1, block, longest + block, dtype=torch.bool, device=self.device)
-        sees[..., longest:] = True
-        for row, context in enumerate(contexts):
-            padded[:, :, row, :, :context.length] = context.data[:, :, :, :context.length]
-            sees[row, :, :, :context.length] = True
+        num_seqs, block = len(active), self.block_size
+        context_kv, sees = self._batch_contexts(self._extend_contexts(active))
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
         last_features = None
         if self.drafter.reads_last_context:   # the features of the token before each block
@@ -96,7 +106,7 @@ class DFlashProposer(FeatureProposer):
         embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_features)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
-        hidden = self.drafter(embeds, positions, [(padded[i, 0], padded[i, 1]) for i in range(layers)], sees)
+        hidden = self.drafter(embeds, positions, context_kv, sees)
         self.num_forwards += 1
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ class TrainConfig:
     log_every: int = 20
     val_every: int = 100   # validate every N steps and keep the best weights (early stopping); 0 = only at the end
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
+    add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
 
 
 def init_from_target(drafter: nn.Module, target: DecoderModel, identity: bool = False) -> None:
@@ -58,17 +59,22 @@ def init_from_target(drafter: nn.Module, target: DecoderModel, identity: bool = 
         pairs = list(zip(drafter.layers, list(target.layers)[-len(drafter.layers):]))
         names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
     for mine, theirs in pairs:
-        source = theirs.state_dict()
-        state = mine.state_dict()
-        for name, tensor in state.items():
-            value = source.get(names.get(name, name))
-            if value is not None and value.shape == tensor.shape:
-                state[name] = value.detach().clone().float()
-        mine.load_state_dict(state)
+        _copy_matching(mine, theirs, names)
     if isinstance(drafter, EagleDrafter):
         start_as_identity(drafter)
     elif identity and drafter.reads_last_context and len(target.layers) - 1 in drafter.feature_layers:
         start_dflash_as_identity(drafter, target)
+
+
+def _copy_matching(mine: nn.Module, theirs: nn.Module, names: dict[str, str]) -> None:
+    """Copy `theirs`' weights into `mine` wherever a name (mapped through `names`) and shape agree."""
+    source = theirs.state_dict()
+    state = mine.state_dict()
+    for name, tensor in state.items():
+        value = source.get(names.get(name, name))
+        if value is not None and value.shape == tensor.shape:
+            state[name] = value.detach().clone().float()
+    mine.load_state_dict(state)
 
 
 def start_as_identity(drafter: EagleDrafter) -> None:
@@ -103,6 +109,32 @@ def start_dflash_as_identity(drafter: DFlashDrafter, target: DecoderModel) -> No
             layer.mlp.down_proj.weight.zero_()
 
 
+def deepen_dflash(drafter: nn.Module, count: int, target: DecoderModel, hf_config: object | None = None
+                  ) -> DFlashDrafter:
+    """A trained DFlash drafter with `count` more layers on top that start as the identity (their residual
+    branches at zero, the rest warm-started from the target's last layers), so the deeper drafter first drafts
+    exactly what the trained one did. Why: in one layer, every block position attends only to the block's
+    inputs (the first token and masks), so offset 2 can never see what the drafter guessed at offset 1; a layer
+    on top attends to the first layer's outputs, each of which carries its offset's guess."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise LabError(f"train.add_layers deepens DFlash drafters, not {type(drafter).__name__}",
+                       "drop train.add_layers (EAGLE drafts with one layer)")
+    if count < 0:
+        raise LabError(f"train.add_layers must be >= 0, got {count}", "set train.add_layers to 0 or more")
+    deeper = DFlashDrafter(target.config, replace(drafter.config, num_layers=drafter.config.num_layers + count),
+                           hf_config)
+    missing, unexpected = deeper.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
+    new_layers = list(deeper.layers)[drafter.config.num_layers:]
+    names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
+    for mine, theirs in zip(new_layers, list(target.layers)[-count:]):
+        _copy_matching(mine, theirs, names)
+        with torch.no_grad():
+            mine.o_proj.weight.zero_()
+            mine.mlp.down_proj.weight.zero_()
+    return deeper.to(next(drafter.parameters()).dtype)
+
+
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
     keys = {"eagle": ("feature_layer", "intermediate_size"),
             "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context",
@@ -128,6 +160,10 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         path = resolve_checkpoint(train.init_from)
         drafter = load_drafter(path, kind, target.model, target.source.hf_config).float()
         command = f"{read_checkpoint(path)['command']} && {command}"
+        if train.add_layers:
+            drafter = deepen_dflash(drafter, train.add_layers, target.model, target.source.hf_config)
+    elif train.add_layers:
+        raise LabError("train.add_layers deepens a trained drafter", "set train.init_from=<a dflash checkpoint>")
     else:
         drafter = build_drafter(kind, target, options).float()
         init_from_target(drafter, target.model, bool(options.get("start_as_identity", False)))
