@@ -14,7 +14,9 @@ from lab.kv_cache import PagedKVCacheConfig
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
+from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
+from lab.spec.eagle import EagleProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
 from lab.spec.suffix import SuffixProposerConfig
 from tests.helpers import chat_prompt, make_requests
@@ -125,17 +127,21 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-@pytest.mark.parametrize("proposer", ["layerskip", "ngram"])
+@pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
+    """The real model; eagle and dflash draft with the committed checkpoints (checkpoints/smollm2/)."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
     expected = [r.output_token_ids for r in AREngine(smollm2_runner).run(make_requests(prompts, 24)).requests]
-    config = LayerSkipProposerConfig(num_layers=10) if proposer == "layerskip" else NgramProposerConfig()
+    config = {"layerskip": LayerSkipProposerConfig(num_layers=10), "ngram": NgramProposerConfig(),
+              "eagle": EagleProposerConfig(), "dflash": DFlashProposerConfig()}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),
                                kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=64, kv_cache_memory_mb=None))
     outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]
     assert outputs == expected
+    if proposer in ("eagle", "dflash"):   # the trained drafters get some of their drafts accepted
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0, engine.stats()
 
 
 def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: ModelRunner,
