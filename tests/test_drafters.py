@@ -28,7 +28,7 @@ from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training.data import DataConfig, Sequence, reference_sequences
 from lab.training.losses import dflash_loss, make_batch
-from lab.training.recipe import TrainConfig, init_from_target, train_drafter
+from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
@@ -126,7 +126,15 @@ def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tin
                             "deeper", path.parent, log=lambda _: None)
     assert metrics["val_before/ce"] == pytest.approx(first["val/ce"], rel=0.02)
     deep = load_drafter(tmp_path / "deep.pt", "dflash", tiny_runner.model)
-    assert len(deep.layers) == len(load_drafter(path, "dflash", tiny_runner.model).layers) + 1
+    shallow = load_drafter(path, "dflash", tiny_runner.model)
+    assert len(deep.layers) == len(shallow.layers) + 1
+    fresh = deepen_dflash(shallow, 1, tiny_runner.model)                # before any training: the same hidden states
+    hidden = tiny_runner.config.hidden_size * len(shallow.feature_layers)
+    features, embeds = torch.randn(1, 6, hidden), tiny_runner.model.embed_tokens(torch.tensor([[5]]))
+    with torch.no_grad():
+        outputs = [d(d.block_inputs(embeds, features[:, -1:]), torch.arange(6, 6 + d.block_size)[None],
+                     d.context_kv(features, torch.arange(6)[None]), None) for d in (shallow, fresh)]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
     with pytest.raises(LabError, match="add_layers"):
         train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(add_layers=1), options,
                       tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
