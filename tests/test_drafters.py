@@ -132,7 +132,7 @@ def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tin
     hidden = tiny_runner.config.hidden_size * len(shallow.feature_layers)
     features, embeds = torch.randn(1, 6, hidden), tiny_runner.model.embed_tokens(torch.tensor([[5]]))
     with torch.no_grad():
-        outputs = [d(d.block_inputs(embeds, features[:, -1:]), torch.arange(6, 6 + d.block_size)[None],
+        outputs = [d(d.block_inputs(embeds, d.context_stream(features[:, -1:])), torch.arange(6, 6 + d.block_size)[None],
                      d.context_kv(features, torch.arange(6)[None]), None) for d in (shallow, fresh)]
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
     with pytest.raises(LabError, match="add_layers"):
@@ -189,7 +189,7 @@ def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) ->
         config = DFlashConfig(block_size=4, feature_layers=[0, 1], fuse_last_context=True,
                               mask_per_position=per_position, input_fusion=fusion)
         drafter = DFlashDrafter(tiny_runner.config, config)
-        blocks = drafter.block_inputs(embeds, last).view(2, 3, 4, hidden)               # (S, M, B, H)
+        blocks = drafter.block_inputs(embeds, drafter.context_stream(last)).view(2, 3, 4, hidden)   # (S, M, B, H)
         start = (drafter.input_fc(torch.cat((embeds, drafter.context_stream(last)), -1)) if fusion
                  else embeds + drafter.context_stream(last))
         torch.testing.assert_close(blocks[:, :, 0], start)
@@ -211,7 +211,7 @@ def test_dflash_identity_start_repeats_the_target_one_position_early(tiny_runner
     features = torch.randn(1, 5, 2 * hidden) * 3                                       # (S, C, L*H)
     kv = drafter.context_kv(features, torch.arange(5)[None])
     embeds = target.embed_tokens(torch.tensor([[7]]))
-    inputs = drafter.block_inputs(embeds, features[:, -1:])
+    inputs = drafter.block_inputs(embeds, drafter.context_stream(features[:, -1:]))
     with torch.no_grad():
         out = drafter(inputs, torch.arange(5, 9)[None], kv, torch.ones(1, 1, 4, 9, dtype=torch.bool))
         torch.testing.assert_close(out[0, 0], target.norm(features[0, -1, hidden:]))

@@ -127,7 +127,7 @@ class DFlashDrafter(nn.Module):
 
     @property
     def reads_last_context(self) -> bool:
-        """Whether `block_inputs` needs the target's features of the position before each block."""
+        """Whether `block_inputs` reads the context stream of the position before each block."""
         return self.config.fuse_last_context or self.config.input_fusion
 
     def context_stream(self, features: torch.Tensor) -> torch.Tensor:
@@ -136,22 +136,25 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Target features (S, C, L*H) at positions (S, C) -> per drafter layer (k, v), each (S, Hkv, C, D)."""
-        context = self.context_stream(features)                                    # (S, C, H)
+        return self.stream_kv(self.context_stream(features), positions)
+
+    def stream_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context stream (S, C, H) at positions (S, C) -> per drafter layer (k, v), each (S, Hkv, C, D)."""
         cos, sin = self.rotary(positions)
         return [layer.context_kv(context, cos, sin) for layer in self.layers]
 
-    def block_inputs(self, first_embeds: torch.Tensor, last_features: torch.Tensor | None = None) -> torch.Tensor:
-        """first_embeds (S, M, H): each block's first (known) token; last_features (S, M, L*H): the target's
-        features of the position before each block (read when `reads_last_context`) -> inputs (S, M * B, H)."""
+    def block_inputs(self, first_embeds: torch.Tensor, last_stream: torch.Tensor | None = None) -> torch.Tensor:
+        """first_embeds (S, M, H): each block's first (known) token; last_stream (S, M, H): the context stream
+        (`context_stream`) of the position before each block (read when `reads_last_context`) -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
         masks = self.mask_embedding.to(first_embeds.dtype).expand(s, m, self.block_size - 1, h)   # (S, M, B-1, H)
         if self.input_fc is not None:
-            start = self.input_fc(torch.cat((first_embeds, self.context_stream(last_features)), dim=-1))   # (S, M, H)
+            start = self.input_fc(torch.cat((first_embeds, last_stream), dim=-1))                       # (S, M, H)
             blocks = torch.cat((start[:, :, None], masks + start[:, :, None]), dim=2)                    # (S, M, B, H)
         else:
             blocks = torch.cat((first_embeds[:, :, None], masks), dim=2)                  # (S, M, B, H)
             if self.config.fuse_last_context:
-                blocks = blocks + self.context_stream(last_features)[:, :, None]
+                blocks = blocks + last_stream[:, :, None]
         return blocks.reshape(s, m * self.block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,

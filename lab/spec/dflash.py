@@ -22,14 +22,17 @@ from lab.spec.proposer import Draft
 
 
 class _ContextKV:
-    """One request's context keys and values for every drafter layer: (layers, 2, Hkv, capacity, D)."""
+    """One request's context keys and values for every drafter layer: (layers, 2, Hkv, capacity, D), and the
+    context stream of its last position (H,), which the next block's input fusion reads."""
 
     def __init__(self) -> None:
         self.data: torch.Tensor | None = None
         self.length = 0
+        self.last_stream: torch.Tensor | None = None
 
-    def append(self, kv: torch.Tensor) -> None:
-        """kv (layers, 2, Hkv, num, D) of the next positions."""
+    def append(self, kv: torch.Tensor, last_stream: torch.Tensor) -> None:
+        """kv (layers, 2, Hkv, num, D) of the next positions; last_stream (H,): the last one's context stream."""
+        self.last_stream = last_stream
         end = self.length + kv.shape[3]
         if self.data is None or self.data.shape[3] < end:
             grown = kv.new_empty(*kv.shape[:3], max(end, 2 * self.length, 64), kv.shape[4])
@@ -52,7 +55,8 @@ class DFlashProposer(FeatureProposer):
         self.contexts.pop(request_id, None)
 
     def _extend_contexts(self, requests: list[Request]) -> list[_ContextKV]:
-        """Project the features of every request's not-yet-cached context positions, in one batch."""
+        """Project the features of every request's not-yet-cached context positions, in one batch; afterwards
+        each context covers every position but the request's last token (whose features are not known yet)."""
         contexts, chunks, positions, spans = [], [], [], []
         for request in requests:
             context = self.contexts.setdefault(request.request_id, _ContextKV())
@@ -63,11 +67,12 @@ class DFlashProposer(FeatureProposer):
                 positions.append(torch.arange(context.length, end, device=self.device))
                 spans.append((context, end - context.length))
         if chunks:
-            kv = self.drafter.context_kv(torch.cat(chunks)[None], torch.cat(positions)[None])  # per layer (1, Hkv, N, D)
+            stream = self.drafter.context_stream(torch.cat(chunks)[None])                       # (1, N, H)
+            kv = self.drafter.stream_kv(stream, torch.cat(positions)[None])                     # per layer (1, Hkv, N, D)
             stacked = torch.stack([torch.stack((k[0], v[0])) for k, v in kv])                 # (layers, 2, Hkv, N, D)
             offset = 0
             for context, num in spans:
-                context.append(stacked[:, :, :, offset:offset + num])
+                context.append(stacked[:, :, :, offset:offset + num], stream[0, offset + num - 1])
                 offset += num
         return contexts
 
@@ -97,13 +102,13 @@ class DFlashProposer(FeatureProposer):
             return {}
         active = [r for r, _ in pairs]
         num_seqs, block = len(active), self.block_size
-        context_kv, sees = self._batch_contexts(self._extend_contexts(active))
+        contexts = self._extend_contexts(active)
+        context_kv, sees = self._batch_contexts(contexts)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
-        last_features = None
-        if self.drafter.reads_last_context:   # the features of the token before each block
-            last_features = torch.cat([self.store.read(r.request_id, r.num_tokens - 2, r.num_tokens - 1)
-                                       for r in active])[:, None]                            # (S, 1, L*H)
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_features)  # (S, B, H)
+        last_stream = None
+        if self.drafter.reads_last_context:   # NOTE: the token before each block: its context stream, already projected
+            last_stream = torch.stack([c.last_stream for c in contexts])[:, None]                # (S, 1, H)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
         hidden = self.drafter(embeds, positions, context_kv, sees)

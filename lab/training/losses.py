@@ -115,7 +115,7 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     with torch.no_grad():
         first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
     last = batch.features.gather(1, (anchors - 1)[..., None].expand(-1, -1, batch.features.shape[-1]))
-    hidden = drafter(drafter.block_inputs(first, last), block_positions, context,
+    hidden = drafter(drafter.block_inputs(first, drafter.context_stream(last)), block_positions, context,
                      block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
     keep = labels >= 0
