@@ -199,6 +199,27 @@ def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) ->
         assert torch.equal(blocks[0, 0, 1], blocks[0, 0, 2]) != per_position
 
 
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_dflash_forward_of_some_rows_equals_those_rows_of_the_whole_block(tiny_runner: ModelRunner,
+                                                                         num_layers: int) -> None:
+    """`rows`: the proposer pushes only the drafts it verifies through the last layer's o_proj and MLP; those rows
+    come out as in the whole block's forward (every block position is still attended to), with or without a mask."""
+    torch.manual_seed(0)
+    hidden = tiny_runner.config.hidden_size
+    drafter = DFlashDrafter(tiny_runner.config, DFlashConfig(block_size=5, num_layers=num_layers, feature_layers=[0, 1],
+                                                             mask_per_position=True, input_fusion=True)).eval()
+    features = torch.randn(2, 7, 2 * hidden)
+    inputs = drafter.block_inputs(torch.randn(2, 1, hidden), drafter.context_stream(features[:, -1:]))
+    positions, kv = torch.arange(7, 12)[None].expand(2, -1), drafter.context_kv(features, torch.arange(7)[None])
+    mask = torch.ones(2, 1, 5, 12, dtype=torch.bool)
+    mask[1, :, :, :3] = False
+    with torch.no_grad():
+        for sees in (None, mask):
+            whole = drafter(inputs, positions, kv, sees)                                    # (S, B, H)
+            torch.testing.assert_close(drafter(inputs, positions, kv, sees, rows=slice(1, 3)), whole[:, 1:3])
+            torch.testing.assert_close(drafter(inputs, positions, kv, sees, rows=slice(1, 2)), whole[:, 1:2])
+
+
 def test_dflash_identity_start_repeats_the_target_one_position_early(tiny_runner: ModelRunner) -> None:
     """`start_as_identity`: before training, every block position outputs the target's own state at the position
     before the block, up to the offset's small mask embedding."""

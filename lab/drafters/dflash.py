@@ -86,14 +86,15 @@ class DFlashLayer(nn.Module):
         return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
-                context_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+                context_v: torch.Tensor, mask: torch.Tensor | None, rows: slice = slice(None)) -> torch.Tensor:
         """x (S, Q, H) block tokens; context k/v (S, Hkv, C, D); mask (S, 1, Q, C + Q), True = may attend (None: all)
-        -> (S, Q, H)."""
-        s, num_queries, _ = x.shape
+        -> (S, R, H) for the block `rows` (R of the Q; every row's keys and values are still attended to)."""
         q, k, v = self._split(self.qkv_proj(self.input_layernorm(x)), cos, sin)
         k, v = torch.cat((context_k, k), dim=2), torch.cat((context_v, v), dim=2)   # (S, Hkv, C + Q, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        x = x + self.o_proj(out.transpose(1, 2).reshape(s, num_queries, self.q_size))
+        q, x = q[:, :, rows], x[:, rows]                                            # (S, Hq, R, D), (S, R, H)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, :, rows],
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        x = x + self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], self.q_size))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,13 +159,17 @@ class DFlashDrafter(nn.Module):
         return blocks.reshape(s, m * self.block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> torch.Tensor:
+                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,
+                rows: slice = slice(None)) -> torch.Tensor:
         """block_embeds (S, Q, H), block_positions (S, Q), context_kv from `context_kv`, mask (S, 1, Q, C + Q)
-        -> hidden (S, Q, H); the target's norm + LM head turn it into logits."""
+        -> hidden (S, R, H) of the block `rows` (default all Q); the target's norm + LM head turn it into logits.
+        NOTE: the last layer computes only those rows after its attention (a drafter that verifies 1 of 7 drafts
+        pushes 1 row, not 8, through o_proj and the MLP); each row's result is unchanged."""
         cos, sin = self.rotary(block_positions)
         x = block_embeds
-        for layer, (k, v) in zip(self.layers, context_kv):
-            x = layer(x, cos, sin, k, v, mask)
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, context_kv)):
+            x = layer(x, cos, sin, k, v, mask, rows if i == last else slice(None))
         return x
 
 

@@ -111,11 +111,11 @@ class DFlashProposer(FeatureProposer):
         embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
-        hidden = self.drafter(embeds, positions, context_kv, sees)
+        hidden = self.drafter(embeds, positions, context_kv, sees, rows=slice(1, k + 1))              # (S, k, H)
         self.num_forwards += 1
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
-        tokens, probs, confidence = self.pick(hidden[:, 1:k + 1].reshape(num_seqs * k, -1), params,
+        tokens, probs, confidence = self.pick(hidden.reshape(num_seqs * k, -1), params,
                                               [g for _, g in pairs for _ in range(k)])
         out = {}
         for row, request in enumerate(active):
