@@ -146,7 +146,8 @@ class DFlashDrafter(nn.Module):
 
     def block_inputs(self, first_embeds: torch.Tensor, last_stream: torch.Tensor | None = None) -> torch.Tensor:
         """first_embeds (S, M, H): each block's first (known) token; last_stream (S, M, H): the context stream
-        (`context_stream`) of the position before each block (read when `reads_last_context`) -> inputs (S, M * B, H)."""
+        (`context_stream`) of the position before each block (read when `reads_last_context`)
+        -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
         masks = self.mask_embedding.to(first_embeds.dtype).expand(s, m, self.block_size - 1, h)   # (S, M, B-1, H)
         if self.input_fc is not None:

@@ -72,7 +72,8 @@ class DFlashProposer(FeatureProposer):
             stacked = torch.stack([torch.stack((k[0], v[0])) for k, v in kv])                 # (layers, 2, Hkv, N, D)
             offset = 0
             for context, num in spans:
-                context.append(stacked[:, :, :, offset:offset + num], stream[0, offset + num - 1])
+                # NOTE: a copy, so the batch's whole stream is not kept alive by one row of it
+                context.append(stacked[:, :, :, offset:offset + num], stream[0, offset + num - 1].clone())
                 offset += num
         return contexts
 
