@@ -43,8 +43,8 @@ def _advance(proposer: FeatureProposer, request: Request, features: torch.Tensor
     """The target accepted `num_new` more tokens (their features are known up to the last one)."""
     for _ in range(num_new):
         request.output_token_ids.append(100 + request.num_tokens % 200)
-    end = request.num_tokens - 1
-    proposer.store.write("r", 0, features[:end])
+    start, end = request.num_computed_tokens, request.num_tokens - 1
+    proposer.store.write("r", start, features[start:end])              # NOTE: only the new rows, as the engine does
     request.num_computed_tokens = end
 
 

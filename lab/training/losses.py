@@ -111,11 +111,12 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     labels = batch.token_ids.gather(1, label_positions)
     labels[(block_positions >= batch.lengths[:, None])] = -100
     labels = labels.view(s, num_anchors, block)[:, :, 1:]                          # (S, M, B-1)
-    context = drafter.context_kv(batch.features, torch.arange(t)[None].expand(s, t))
+    stream = drafter.context_stream(batch.features)                                # (S, T, H)
+    context = drafter.stream_kv(stream, torch.arange(t)[None].expand(s, t))
     with torch.no_grad():
         first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
-    last = batch.features.gather(1, (anchors - 1)[..., None].expand(-1, -1, batch.features.shape[-1]))
-    hidden = drafter(drafter.block_inputs(first, drafter.context_stream(last)), block_positions, context,
+    last = stream.gather(1, (anchors - 1)[..., None].expand(-1, -1, stream.shape[-1]))    # (S, M, H): before each block
+    hidden = drafter(drafter.block_inputs(first, last), block_positions, context,
                      block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
     keep = labels >= 0

@@ -46,6 +46,10 @@ class TrainConfig:
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
 
 
+# DFlash layer weight -> the target decoder layer's weight of the same shape (a warm start)
+_DFLASH_TO_TARGET = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
+
+
 def init_from_target(drafter: nn.Module, target: DecoderModel, identity: bool = False) -> None:
     """Copy the target's last layers into the drafter's layers where shapes agree (a warm start); then start
     from a drafter that repeats the target's own prediction one position early: EAGLE always, DFlash when
@@ -57,7 +61,7 @@ def init_from_target(drafter: nn.Module, target: DecoderModel, identity: bool = 
         with torch.no_grad():   # the mask token starts at the scale of a real token's embedding
             drafter.mask_embedding.copy_(torch.randn_like(drafter.mask_embedding) * target.embed_tokens.weight.std())
         pairs = list(zip(drafter.layers, list(target.layers)[-len(drafter.layers):]))
-        names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
+        names = _DFLASH_TO_TARGET
     for mine, theirs in pairs:
         _copy_matching(mine, theirs, names)
     if isinstance(drafter, EagleDrafter):
@@ -105,8 +109,14 @@ def start_dflash_as_identity(drafter: DFlashDrafter, target: DecoderModel) -> No
             drafter.input_fc.weight.zero_()
             drafter.input_fc.weight[:, hidden:].copy_(torch.eye(hidden))
         for layer in drafter.layers:
-            layer.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+            _zero_residual_branches(layer)
+
+
+def _zero_residual_branches(layer: nn.Module) -> None:
+    """A DFlash layer that passes its input through: attention and MLP outputs start at zero."""
+    with torch.no_grad():
+        layer.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
 
 
 def deepen_dflash(drafter: nn.Module, count: int, target: DecoderModel, hf_config: object | None = None
@@ -126,12 +136,9 @@ def deepen_dflash(drafter: nn.Module, count: int, target: DecoderModel, hf_confi
     missing, unexpected = deeper.load_state_dict(drafter.state_dict(), strict=False)
     assert not unexpected and all(name.startswith("layers.") for name in missing), (missing, unexpected)
     new_layers = list(deeper.layers)[drafter.config.num_layers:]
-    names = {"qkv_proj.weight": "self_attn.qkv_proj.weight", "o_proj.weight": "self_attn.o_proj.weight"}
     for mine, theirs in zip(new_layers, list(target.layers)[-count:]):
-        _copy_matching(mine, theirs, names)
-        with torch.no_grad():
-            mine.o_proj.weight.zero_()
-            mine.mlp.down_proj.weight.zero_()
+        _copy_matching(mine, theirs, _DFLASH_TO_TARGET)
+        _zero_residual_branches(mine)
     return deeper.to(next(drafter.parameters()).dtype)
 
 
