@@ -6,6 +6,7 @@ suffix-then-EAGLE cascade is lossless; ShareGPT's recorded answers extend the tr
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
-from lab.training.data import DataConfig, Sequence, reference_sequences
+from lab.training import data as training_data
+from lab.training.data import DataConfig, Sequence, load_training_data, reference_sequences
 from lab.training.losses import dflash_loss, make_batch
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
@@ -421,7 +423,9 @@ def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_
         answer = seq.token_ids[seq.prompt_len:]
         assert seq.prompt_len <= 64 and 1 <= len(answer) <= 13
         assert len(answer) == 12 or answer[-1] == eos   # cut at max_new_tokens, or the whole answer + EOS
-    assert (tmp_path / f"references-{data.reference_key()}.json").is_file()
+    assert (tmp_path / f"references-{data.reference_key()}-n6.json").is_file()
+    fewer = reference_sequences(runner.tokenizer, replace(data, reference_answers=4), tmp_path, own, log=lambda _: None)
+    assert fewer == references[:4]   # a count's conversations are the first of any larger count's
     assert reference_sequences(runner.tokenizer, data, tmp_path, own, log=lambda _: None) == references
     assert data.key() == DataConfig(num_prompts=4, max_prompt_len=64, max_new_tokens=12).key()   # own answers' cache kept
     with pytest.raises(LabError, match="reference_answers must be >= 0"):
@@ -434,5 +438,26 @@ def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_
     metrics = train_drafter("eagle", runner, data, train, {"draft_vocab_size": 512}, tmp_path / "eagle.pt", "test",
                             tmp_path, log=lines.append)
     assert any("7 sequences" in line for line in lines), lines   # 3 own + 6 references - 2 held out
-    assert list(tmp_path.glob(f"features-{data.reference_key()}-L*.pt"))
+    assert list(tmp_path.glob(f"features-{data.reference_key()}-0-6-L*.pt"))
     assert 0 <= metrics["val/top1_acc"] <= 1 and metrics["val/ce"] > 0
+
+
+def test_reference_features_extend_shard_by_shard(tiny_text_runner: ModelRunner, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raising reference_answers computes only the new shards of features; the finished ones are read back
+    (memory-mapped) unchanged."""
+    monkeypatch.setattr(training_data, "REFERENCE_SHARD", 4)
+    data = DataConfig(num_prompts=4, max_prompt_len=64, max_new_tokens=12, reference_answers=6, feature_layers=(-1,))
+    (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps([{"token_ids": [1, 2, 3, 4, 5], "prompt_len": 3}]))
+    lines: list[str] = []
+    sequences, features = load_training_data(tiny_text_runner, data, tmp_path, lines.append)
+    key = data.reference_key()
+    first = next(tmp_path.glob(f"features-{key}-0-4-L*.pt"))
+    assert len(sequences) == len(features) == 7 and list(tmp_path.glob(f"features-{key}-4-6-L*.pt"))
+    stamp = first.stat().st_mtime_ns
+    lines.clear()
+    more, more_features = load_training_data(tiny_text_runner, replace(data, reference_answers=8), tmp_path, lines.append)
+    assert more[:5] == sequences[:5] and len(more) == 9 and list(tmp_path.glob(f"features-{key}-4-8-L*.pt"))
+    assert first.stat().st_mtime_ns == stamp and sum("target features" in line for line in lines) == 1   # only 4-8
+    for mine, theirs in zip(more_features[:5], features[:5]):
+        assert torch.equal(mine, theirs)

@@ -7,6 +7,11 @@ the corpus ~10x for the same time; their text is not the target's, but every tra
 losses distil the target's own next-token distribution from its features), so they teach what the
 target would say after that context.
 
+The reference features are cached in shards of REFERENCE_SHARD conversations: a count's conversations are
+the first of any larger count's (a seeded shuffle), so raising `reference_answers` computes only the new
+shards, and an interrupted extraction keeps the shards it finished. Cached features are memory-mapped, so a
+corpus larger than RAM trains from the page cache.
+
 Owns: the caches under $LAB_CACHE/train/<target fingerprint>/ (responses / references JSON, features .pt)
 and what is in them. Ignores: the drafters and their losses.
 """
@@ -31,6 +36,8 @@ from lab.sched import SchedulerConfig
 from lab.workloads.base import SamplingDefaults
 from lab.workloads.dataset_files import load_records
 from lab.workloads.datasets import DatasetWorkload
+
+REFERENCE_SHARD = 1000   # reference conversations per features file (~1.5 GB for smollm2's 5 DFlash layers)
 
 
 @dataclass(slots=True)
@@ -59,9 +66,9 @@ class DataConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def reference_key(self) -> str:
-        """The reference conversations' cache key (num_prompts: the generated answers' prompts are left out)."""
-        fields = {k: getattr(self, k) for k in ("dataset", "seed", "num_prompts", "max_prompt_len", "max_new_tokens",
-                                                "reference_answers")}
+        """The reference conversations' cache key (num_prompts: the generated answers' prompts are left out).
+        Not the count: the first n conversations are the same for every count >= n."""
+        fields = {k: getattr(self, k) for k in ("dataset", "seed", "num_prompts", "max_prompt_len", "max_new_tokens")}
         return "ref" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -96,7 +103,7 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
                         log=print) -> list[Sequence]:
     """`reference_answers` ShareGPT conversations as prompt (chat template) + recorded answer (first
     max_new_tokens tokens, then EOS), none whose prompt is among `skip`'s; cached."""
-    path = cache_dir / f"references-{config.reference_key()}.json"
+    path = cache_dir / f"references-{config.reference_key()}-n{config.reference_answers}.json"
     if path.is_file():
         return [Sequence(**s) for s in json.loads(path.read_text())]
     seen = {tuple(s.token_ids[:s.prompt_len]) for s in skip}
@@ -146,20 +153,22 @@ def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     if config.reference_answers:
         references = reference_sequences(runner.tokenizer, config, cache_dir, sequences, log)
         sequences = sequences + references
-        features = features + cached_features(runner, references, config.reference_key(), config.feature_layers,
-                                               cache_dir, log)
+        for start in range(0, len(references), REFERENCE_SHARD):
+            shard = references[start:start + REFERENCE_SHARD]
+            key = f"{config.reference_key()}-{start}-{start + len(shard)}"
+            features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log)
     return sequences, features
 
 
 def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],
                     cache_dir: Path, log=print) -> list[torch.Tensor]:
-    """The target's features of `sequences` (cached under `key`) at `feature_layers`."""
+    """The target's features of `sequences` (cached under `key`, memory-mapped when read back) at `feature_layers`."""
     wanted = [i % runner.config.num_layers for i in feature_layers]
     # NOTE: one cache serves every drafter whose layers it covers (EAGLE's last layer is among DFlash's).
     for path in sorted(cache_dir.glob(f"features-{key}-L*.pt")):
         stored = [int(i) for i in path.stem.split("-L", 1)[1].split("-")]
         if set(wanted) <= set(stored):
-            features = torch.load(path, weights_only=True)
+            features = torch.load(path, weights_only=True, mmap=True)   # pages in as batches read it
             hidden = runner.config.hidden_size
             columns = torch.cat([torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in wanted])
             return [f if stored == wanted else f[:, columns] for f in features]
