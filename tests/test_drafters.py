@@ -426,6 +426,8 @@ def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_
     assert (tmp_path / f"references-{data.reference_key()}-n6.json").is_file()
     fewer = reference_sequences(runner.tokenizer, replace(data, reference_answers=4), tmp_path, own, log=lambda _: None)
     assert fewer == references[:4]   # a count's conversations are the first of any larger count's
+    others = reference_sequences(runner.tokenizer, data, tmp_path / "skip", references[:1], log=lambda _: None)
+    assert len(others) == 6 and others[:5] == references[1:]   # a skipped prompt is made up for
     assert reference_sequences(runner.tokenizer, data, tmp_path, own, log=lambda _: None) == references
     assert data.key() == DataConfig(num_prompts=4, max_prompt_len=64, max_new_tokens=12).key()   # own answers' cache kept
     with pytest.raises(LabError, match="reference_answers must be >= 0"):

@@ -107,22 +107,22 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
     if path.is_file():
         return [Sequence(**s) for s in json.loads(path.read_text())]
     seen = {tuple(s.token_ids[:s.prompt_len]) for s in skip}
+    fresh: list[Any] = []
     wanted = config.reference_answers + len(seen)
-    workload = DatasetWorkload(config.dataset, num_prompts=wanted, seed=config.seed + 1, max_tokens=None,
-                               max_prompt_len=config.max_prompt_len)
-    try:
-        samples = workload.select(tokenizer)
-    except LabError as error:
-        raise LabError(f"data.reference_answers={config.reference_answers}: {error.problem}",
-                       "lower data.reference_answers") from error
+    while len(fresh) < config.reference_answers:   # more until enough are not among `skip` (prompts repeat)
+        workload = DatasetWorkload(config.dataset, num_prompts=wanted, seed=config.seed + 1, max_tokens=None,
+                                   max_prompt_len=config.max_prompt_len)
+        try:
+            samples = workload.select(tokenizer)
+        except LabError as error:
+            raise LabError(f"data.reference_answers={config.reference_answers}: {error.problem}",
+                           "lower data.reference_answers") from error
+        fresh = [s for s in samples if tuple(s.prompt_token_ids) not in seen][:config.reference_answers]
+        wanted += config.reference_answers - len(fresh)
     answers = {r["id"]: r["reference"] for r in load_records(config.dataset)}
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     sequences = []
-    for sample in samples:
-        if len(sequences) == config.reference_answers:
-            break
-        if tuple(sample.prompt_token_ids) in seen:
-            continue
+    for sample in fresh:
         answer = tokenizer.encode(answers[sample.record_id], add_special_tokens=False)
         answer = answer[:config.max_new_tokens] if len(answer) > config.max_new_tokens else answer + eos
         sequences.append(Sequence(sample.prompt_token_ids + answer, len(sample.prompt_token_ids)))
