@@ -29,7 +29,7 @@ from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
 from lab.training.data import DataConfig, Sequence, load_training_data, reference_sequences
-from lab.training.losses import dflash_loss, make_batch
+from lab.training.losses import dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
 
@@ -245,7 +245,8 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     """`dflash_loss(per_offset=True)` (experiments/dflash_offsets.py): tau = 1 + the sum over j of the share of
     blocks whose first j drafts are all right; that share at j = 1 is offset 1's top-1 (`top1_first`)."""
     drafter = load_drafter(trained["dflash"][0], "dflash", tiny_runner.model)
-    sequences = [Sequence(p + list(range(5, 25)), len(p)) for p in _prompts(4, seed=9)]
+    result = AREngine(tiny_runner).run(make_requests(_prompts(4, seed=9), 20, ignore_eos=True))
+    sequences = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]   # the target's own text
     positions = [torch.arange(len(seq.token_ids))[None] for seq in sequences]
     features = [tiny_runner.execute_with_features(torch.tensor([seq.token_ids]), pos, NoCache(),
                                                   torch.tensor([0]), drafter.feature_layers)[1][0]
@@ -257,6 +258,39 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     assert metrics["acceptance_length"] == pytest.approx(1 + sum(runs))
     assert runs == sorted(runs, reverse=True) and runs[0] == pytest.approx(metrics["top1_first"])
     assert 0.0 <= metrics["top1_at_2"] <= 1.0 and "top1_at_4" not in metrics   # block 4: offsets 1..3
+
+
+def test_block_labels_count_only_along_the_targets_greedy_path() -> None:
+    labels = torch.tensor([[[5, 6, 7, -100], [5, 9, 7, 8]]])                       # (S=1, M=2, B-1=4)
+    keep = labels >= 0
+    greedy = torch.tensor([5, 6, 1, 5, 6, 7, 8])                                   # the target's, at keep's positions
+    on_path = on_greedy_path(labels, keep, greedy)
+    # block 0: offsets 1, 2 greedy, so 3 is reached (its text token 7 is not greedy: offset 4 would not be);
+    # block 1: offset 2's token 9 leaves the path, so offsets 3 and 4 are not reached
+    assert on_path.tolist() == [[[True, True, True, False], [True, True, False, False]]]
+
+
+def test_greedy_path_changes_nothing_on_the_targets_own_text(trained: dict, tiny_runner: ModelRunner) -> None:
+    """On the target's own greedy continuations every label is on the path; on other text some are not."""
+    drafter = load_drafter(trained["dflash"][0], "dflash", tiny_runner.model)
+    result = AREngine(tiny_runner).run(make_requests(_prompts(4, seed=11), 24, ignore_eos=True))
+    own = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+    other = [Sequence(p + list(range(5, 29)), len(p)) for p in _prompts(4, seed=11)]
+
+    def losses(sequences: list[Sequence]) -> tuple[dict, dict]:
+        features = [tiny_runner.execute_with_features(torch.tensor([s.token_ids]), torch.arange(len(s.token_ids))[None],
+                                                      NoCache(), torch.tensor([0]), drafter.feature_layers)[1][0]
+                    for s in sequences]
+        batch = make_batch(sequences, features, 96)
+        with torch.no_grad():
+            return tuple(dflash_loss(drafter, tiny_runner.model, batch, num_anchors=8, per_offset=True,
+                                     generator=torch.Generator().manual_seed(0), greedy_path=flag)[1]
+                         for flag in (True, False))
+
+    on, off = losses(own)
+    assert on == off
+    on, off = losses(other)
+    assert on["ce"] != off["ce"]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])

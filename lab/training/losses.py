@@ -11,6 +11,9 @@
   position with weights exp(-(j-1)/gamma), since early positions decide the acceptance length. The
   labels are the target's own distributions at those positions (its last layer is among the features
   DFlash reads), over the draft vocabulary; hard next-token labels over the whole vocabulary otherwise.
+  With soft labels, offset j counts only while the text's tokens at offsets 1..j-1 are the target's greedy
+  ones (`greedy_path`): past a token the target would not have written (a recorded answer's), its label
+  is the target conditioned on a token the drafter never sees, not the block it will be asked to verify.
 
 Owns: batching (padding), the losses and their validation metrics. Ignores: optimisation and data making.
 """
@@ -101,7 +104,7 @@ def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
                 gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
-                per_offset: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+                per_offset: bool = False, greedy_path: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
     block = drafter.block_size
     anchors = sample_anchors(batch, num_anchors, generator)                        # (S, M)
@@ -119,18 +122,24 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     hidden = drafter(drafter.block_inputs(first, last), block_positions, context,
                      block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
-    keep = labels >= 0
+    keep = labels >= 0                                                             # (S, M, B-1)
     teacher = _dflash_teacher(drafter, target, batch, anchors, block)               # (S, M, B-1, H) or None
     weight, bias = _head(target, draft_vocab_size if teacher is not None else 0)
-    logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
-    weights = torch.exp(-(offsets[1:].float() - 1) / gamma).expand_as(labels)[keep]
     if teacher is None:   # hard labels: the sequence's next tokens (the target's own when it wrote them)
-        targets = labels[keep]
-        ce = kl = F.cross_entropy(logits, targets, reduction="none")
+        probs, targets = None, labels[keep]
     else:                 # soft labels: the target's distribution before each block position
         with torch.no_grad():
-            probs = F.linear(target.norm(teacher[keep]), weight, bias).float().softmax(-1)
+            probs = F.linear(target.norm(teacher[keep]), weight, bias).float().softmax(-1)   # (P, N)
         targets = probs.argmax(-1)
+        if greedy_path:
+            on_path = on_greedy_path(labels, keep, targets)
+            probs, targets = probs[on_path[keep]], targets[on_path[keep]]
+            keep = keep & on_path
+    logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
+    weights = torch.exp(-(offsets[1:].float() - 1) / gamma).expand_as(labels)[keep]
+    if probs is None:
+        ce = kl = F.cross_entropy(logits, targets, reduction="none")
+    else:
         ce, kl = _soft_cross_entropy(logits, probs)
     kl = (kl * weights).sum() / weights.sum()
     ce = (ce * weights).sum() / weights.sum()
@@ -146,6 +155,17 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
             metrics[f"top1_at_{j + 1}"] = float(correct[..., j][keep[..., j]].float().mean())
             metrics[f"run_at_least_{j + 1}"] = float((accepted >= j + 1).float().mean())
     return ce, metrics
+
+
+def on_greedy_path(labels: torch.Tensor, keep: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """(S, M, B-1) bool: block label j is reached along the target's greedy path, i.e. the text's tokens at
+    offsets 1..j-1 are each the target's greedy token there. labels (S, M, B-1): the text's tokens at offsets
+    1..B-1; greedy (P,): the target's greedy token at each of `keep`'s positions (the same offsets)."""
+    chosen = torch.full_like(labels, -1)
+    chosen[keep] = greedy
+    follows = labels == chosen                                                     # the text's token is greedy
+    before = torch.cat((torch.ones_like(follows[..., :1]), follows[..., :-1]), dim=-1)   # offset 1: nothing before
+    return keep & torch.cumprod(before.int(), dim=-1).bool()
 
 
 def _head(target: DecoderModel, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

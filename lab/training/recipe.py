@@ -234,7 +234,7 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
             options.get("ce_positions", 128), generator, options.get("draft_vocab_size", 0))
     return lambda drafter, batch, generator: dflash_loss(
         drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
-        options.get("draft_vocab_size", 0))
+        options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True))
 
 
 @torch.no_grad()
