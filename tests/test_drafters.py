@@ -6,6 +6,8 @@ suffix-then-EAGLE cascade is lossless; ShareGPT's recorded answers extend the tr
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,6 +115,32 @@ def test_training_goes_on_from_a_checkpoint(trained: dict, tiny_runner: ModelRun
     assert torch.load(tmp_path / "more.pt", weights_only=True)["command"] == "test && again"
     with pytest.raises(LabError, match="holds a"):
         train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), train, dict(OPTIONS["dflash"]),
+                      tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
+
+
+def test_a_signal_ends_training_with_the_best_weights_so_far(trained: dict, tiny_runner: ModelRunner,
+                                                             tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) mid-run: the step in flight finishes, the best validated weights are saved, and the
+    recorded command ends with train.stop_after=<steps done>, which re-creates them."""
+    path, _ = trained["eagle"]
+    handler = signal.getsignal(signal.SIGTERM)
+    train = TrainConfig(steps=40, batch_size=4, lr=1e-4, warmup_steps=1, max_seq_len=96, val_sequences=8, log_every=1,
+                        val_every=0, init_from=str(path))
+
+    def log(line: str) -> None:
+        if line.startswith("step 3/40"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    metrics = train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), train, {}, tmp_path / "stopped.pt",
+                            "lab-train train.steps=40 train.stop_after=30", path.parent, log=log)
+    assert metrics["steps"] == 3 and signal.getsignal(signal.SIGTERM) is handler
+    command = torch.load(tmp_path / "stopped.pt", weights_only=True)["command"]
+    assert command == "test && lab-train train.steps=40 train.stop_after=3"
+    replay = train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), replace(train, stop_after=3), {},
+                           tmp_path / "replay.pt", "again", path.parent, log=lambda _: None)
+    assert replay["val/kl"] == metrics["val/kl"]
+    with pytest.raises(LabError, match="stop_after must be >= 1"):
+        train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), replace(train, stop_after=0), {},
                       tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
 
 

@@ -1,6 +1,8 @@
 """A drafter training run: build the drafter for the target (its layers initialised from the target's
 last layers), load the cached data and features, optimise (AdamW, warm-up + cosine), validate on held-out
-sequences, save the checkpoint with the command that re-creates it.
+sequences, save the checkpoint with the command that re-creates it. SIGINT / SIGTERM (Ctrl-C, `kill`) stop the
+run after its current step and save the best validated weights so far, their command ending in
+`train.stop_after=<steps done>` so that it still re-creates them.
 
 Owns: the optimisation loop and the train/validation split. Ignores: the objectives (losses.py) and
 where data comes from (data.py).
@@ -9,8 +11,11 @@ where data comes from (data.py).
 from __future__ import annotations
 
 import json
+import re
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,7 @@ class TrainConfig:
     val_every: int = 100   # validate every N steps and keep the best weights (early stopping); 0 = only at the end
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
+    stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
 
 
 # DFlash layer weight -> the target decoder layer's weight of the same shape (a warm start)
@@ -157,6 +163,8 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
                   log: Callable[[str], None] = print) -> dict[str, float]:
     if kind not in ("eagle", "dflash"):
         raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
+    if train.stop_after is not None and train.stop_after < 1:
+        raise LabError(f"train.stop_after must be >= 1, got {train.stop_after}", "drop it or set a step count")
     if target.dtype != torch.float32:
         raise LabError(f"drafter training runs in float32, the target is {target.dtype}", "set model.dtype=float32")
     torch.manual_seed(train.seed)
@@ -195,7 +203,9 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     drafter.train()
     losses: list[float] = []
     best: _Best | None = None
-    for step in range(train.steps):
+    steps_done = min(train.steps, train.steps if train.stop_after is None else train.stop_after)
+    stop = _StopOnSignal()
+    for step in stop.steps(steps_done):
         index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
         batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len)
         for group in optimizer.param_groups:
@@ -209,14 +219,20 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         if (step + 1) % train.log_every == 0 or step == 0:
             log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
                 f"({time.perf_counter() - start:.0f} s)")
-        if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < train.steps:
+        if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
             best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
-    best = _keep_best(best, train.steps, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
+    if stop.signal:   # NOTE: the recorded command ends where this run did, so it still re-creates these weights
+        steps_done = stop.steps_done
+        log(f"{stop.signal}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
+        earlier, _, last = command.rpartition(" && ")
+        last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
+        command = f"{earlier} && {last}" if earlier else last
+    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
     drafter.load_state_dict(best.state)
     after = best.metrics
     log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
     window = max(1, min(10, len(losses) // 4))
-    metrics = {"train_seconds": time.perf_counter() - start, "steps": train.steps, "best_step": best.step,
+    metrics = {"train_seconds": time.perf_counter() - start, "steps": steps_done, "best_step": best.step,
                "train/first_loss": sum(losses[:window]) / window, "train/last_loss": sum(losses[-window:]) / window,
                **{f"val_before/{k}": v for k, v in before.items()}, **{f"val/{k}": v for k, v in after.items()}}
     save_drafter(output, drafter.eval(), target_model, command, metrics)
@@ -252,6 +268,35 @@ def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max
         batches += 1
     drafter.train()
     return _round({k: v / batches for k, v in totals.items()})
+
+
+class _StopOnSignal:
+    """The training steps, until SIGINT or SIGTERM: the signal is noted (`signal`, `steps_done`) and the loop ends
+    after its current step, so the run can save what it has; a second signal interrupts at once. Signal handlers
+    are the main thread's: elsewhere the steps just run."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.steps_done = 0
+
+    def steps(self, count: int) -> Iterator[int]:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {number: signal.signal(number, self._receive) for number in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for step in range(count):
+                if self.signal:
+                    return
+                yield step
+                self.steps_done = step + 1
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def _receive(self, number: int, _frame: object) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(number).name
 
 
 @dataclass(slots=True)
