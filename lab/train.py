@@ -4,7 +4,9 @@
     lab-train drafter=eagle train.steps=300 output=/tmp/eagle.pt
 
 Data (the target's own answers to ShareGPT prompts) and target features are made once and cached under
-$LAB_CACHE/train/<target fingerprint>/. The checkpoint records this exact command.
+$LAB_CACHE/train/<target fingerprint>/. The checkpoint records this exact command. Each run is one W&B run
+(logger=wandb, offline by default; group `train-<drafter>`): the training and validation curves keyed by
+step, the final metrics as its summary and the checkpoint as a `model` artifact; logger=none turns it off.
 """
 
 from __future__ import annotations
@@ -36,7 +38,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
     train_cfg = TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     command = "lab-train " + " ".join(shlex.quote(o) for o in overrides)
-    return train_drafter(kind, target, data, train_cfg, options, resolve_checkpoint(cfg.output), command.strip())
+    run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()
+    logger = instantiate(cfg.logger)
+    logger.start(run_dir=run_dir, name=" ".join(overrides) or kind, group=f"train-{kind}",
+                 config=OmegaConf.to_container(cfg, resolve=True))
+    exit_code = 1
+    try:
+        metrics = train_drafter(kind, target, data, train_cfg, options, resolve_checkpoint(cfg.output), command.strip(),
+                                logger=logger)
+        exit_code = 0
+        return metrics
+    finally:
+        logger.finish(exit_code)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

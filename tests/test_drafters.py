@@ -21,7 +21,7 @@ from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.kv_cache.base import NoCache
-from lab.models.sources import tiny
+from lab.models.sources import default_cache_dir, tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
@@ -525,3 +525,28 @@ def test_reference_features_extend_shard_by_shard(tiny_text_runner: ModelRunner,
     assert first.stat().st_mtime_ns == stamp and sum("target features" in line for line in lines) == 1   # only 4-8
     for mine, theirs in zip(more_features[:5], features[:5]):
         assert torch.equal(mine, theirs)
+
+
+def test_lab_train_is_one_wandb_run_with_its_curves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lab-train` (logger=wandb, offline): one W&B run in group train-<drafter> holding the training and
+    validation curves, the final metrics and the checkpoint; the data cache goes under $LAB_CACHE."""
+    from hydra import compose, initialize_config_dir
+
+    from lab.run import CONF_DIR
+    from lab.train import train
+
+    tokenizer_cache = default_cache_dir()   # the tiny model's (SmolLM2) tokenizer stays where it is
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path / "cache"))
+    overrides = ["model=tiny", f"model.source.cache_dir={tokenizer_cache}", "drafter=eagle", "data.num_prompts=6",
+                 "data.max_new_tokens=8", "train.steps=4", "train.batch_size=2", "train.val_sequences=2",
+                 "train.log_every=1", "train.val_every=2", "logger.mode=offline", f"logger.dir={tmp_path}",
+                 f"output={tmp_path / 'eagle.pt'}"]
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        metrics = train(compose("train", overrides=overrides))
+    assert metrics["steps"] == 4 and (tmp_path / "eagle.pt").is_file()
+    assert list((tmp_path / "cache" / "train").glob("*/responses-*.json"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    record = next(runs[0].glob("*.wandb")).read_bytes()
+    for key in (b"train-eagle", b"train/loss", b"train/lr", b"val/top1_acc", b"val/step", b"best_step"):
+        assert key in record, key

@@ -27,6 +27,7 @@ from lab.drafters.checkpoint import load_drafter, read_checkpoint, resolve_check
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.drafters.eagle import EagleConfig, EagleDrafter
 from lab.errors import LabError
+from lab.logging import NullLogger
 from lab.models.decoder import DecoderModel
 from lab.models.sources import default_cache_dir
 from lab.runner import ModelRunner
@@ -160,7 +161,11 @@ def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn
 
 def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: TrainConfig, options: dict[str, Any],
                   output: Path, command: str, cache_dir: Path | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, float]:
+                  log: Callable[[str], None] = print, logger: Any = None) -> dict[str, float]:
+    """Train, validate, save `output`; `log` takes the progress lines, `logger` (lab.logging, started by the
+    caller) the curves: series `train` (loss, lr, the objective's metrics) and `val`, keyed by step, then the
+    final metrics as its summary and the checkpoint as an artifact."""
+    logger = logger or NullLogger()
     if kind not in ("eagle", "dflash"):
         raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
     if train.stop_after is not None and train.stop_after < 1:
@@ -199,6 +204,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
     before = evaluate(drafter, loss_fn, val, train.max_seq_len)
     log(f"step 0 validation {json.dumps(before)}")
+    logger.log_series("val", [{"step": 0, **before}], "step")
     start = time.perf_counter()
     drafter.train()
     losses: list[float] = []
@@ -219,15 +225,17 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         if (step + 1) % train.log_every == 0 or step == 0:
             log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
                 f"({time.perf_counter() - start:.0f} s)")
+            logger.log_series("train", [{"step": step + 1, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
+                                         "seconds": time.perf_counter() - start, **metrics}], "step")
         if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
-            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
+            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log, logger)
     if stop.signal:   # NOTE: the recorded command ends where this run did, so it still re-creates these weights
         steps_done = stop.steps_done
         log(f"{stop.signal}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
         earlier, _, last = command.rpartition(" && ")
         last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
         command = f"{earlier} && {last}" if earlier else last
-    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log)
+    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log, logger)
     drafter.load_state_dict(best.state)
     after = best.metrics
     log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
@@ -237,6 +245,8 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
                **{f"val_before/{k}": v for k, v in before.items()}, **{f"val/{k}": v for k, v in after.items()}}
     save_drafter(output, drafter.eval(), target_model, command, metrics)
     log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB)")
+    logger.log_summary({**metrics, "best_step": best.step})
+    logger.log_artifact(output, f"{kind}-{output.stem}", kind="model")
     return metrics
 
 
@@ -307,9 +317,10 @@ class _Best:
 
 
 def _keep_best(best: _Best | None, step: int, metrics: dict[str, float], drafter: nn.Module,
-               log: Callable[[str], None]) -> _Best:
+               log: Callable[[str], None], logger: Any) -> _Best:
     """Early stopping on the validation cross-entropy (a small corpus overfits within a few epochs)."""
     log(f"step {step} validation {json.dumps(metrics)}")
+    logger.log_series("val", [{"step": step, **metrics}], "step")
     if best is None or metrics["ce"] < best.metrics["ce"]:
         return _Best(step, metrics, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
     return best
