@@ -550,3 +550,22 @@ def test_lab_train_is_one_wandb_run_with_its_curves(tmp_path: Path, monkeypatch:
     record = next(runs[0].glob("*.wandb")).read_bytes()
     for key in (b"train-eagle", b"train/loss", b"train/lr", b"val/top1_acc", b"val/step", b"best_step"):
         assert key in record, key
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_training_runs_where_the_target_is(kind: str, device: str, tmp_path: Path) -> None:
+    """The target on `device`: batches move there from the cached CPU features, the loss falls, and the
+    checkpoint loads on the CPU."""
+    runner = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device=device)
+    result = AREngine(runner).run(make_requests(_prompts(24, seed=3), 24, ignore_eos=True))
+    data = DataConfig(num_prompts=24)
+    (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps(
+        [{"token_ids": r.all_token_ids, "prompt_len": r.num_prompt_tokens} for r in result.requests]))
+    train = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, max_seq_len=96, val_sequences=8,
+                        log_every=1000, val_every=0)
+    metrics = train_drafter(kind, runner, data, train, dict(OPTIONS[kind]), tmp_path / "d.pt", "test", tmp_path,
+                            log=lambda _: None)
+    assert metrics["train/last_loss"] < metrics["train/first_loss"], metrics
+    cpu_target = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
+    load_drafter(tmp_path / "d.pt", kind, cpu_target.model)

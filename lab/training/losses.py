@@ -41,7 +41,9 @@ class Batch:
     prompt_lens: torch.Tensor    # (S,)
 
 
-def make_batch(sequences: list[Sequence], features: list[torch.Tensor], max_len: int) -> Batch:
+def make_batch(sequences: list[Sequence], features: list[torch.Tensor], max_len: int,
+               device: torch.device | str = "cpu") -> Batch:
+    """Pad into one batch (built on the CPU, where the cached features are, then moved to `device`)."""
     lengths = [min(len(s.token_ids), max_len) for s in sequences]
     longest = max(lengths)
     ids = torch.zeros(len(sequences), longest, dtype=torch.long)
@@ -49,23 +51,25 @@ def make_batch(sequences: list[Sequence], features: list[torch.Tensor], max_len:
     for row, (seq, feat, n) in enumerate(zip(sequences, features, lengths)):
         ids[row, :n] = torch.tensor(seq.token_ids[:n])
         feats[row, :n] = feat[:n].float()
-    return Batch(ids, feats, torch.tensor(lengths), torch.tensor([min(s.prompt_len, n) for s, n in zip(sequences, lengths)]))
+    prompt_lens = torch.tensor([min(s.prompt_len, n) for s, n in zip(sequences, lengths)])
+    return Batch(ids.to(device), feats.to(device), torch.tensor(lengths, device=device), prompt_lens.to(device))
 
 
 def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_weight: float = 0.1,
                noise: float = 0.1, ce_positions: int = 128, generator: torch.Generator | None = None,
                draft_vocab_size: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
     s, t = batch.token_ids.shape
+    device = batch.token_ids.device
     with torch.no_grad():   # EAGLE's features are the target's last hidden states after the final norm
         features = target.norm(batch.features)                                    # (S, T, H)
     prev = torch.cat((features.new_zeros(s, 1, features.shape[-1]), features[:, :-1]), dim=1)
     if noise and drafter.training:
-        prev = prev + (torch.rand(prev.shape, generator=generator) - 0.5) * 2 * noise
-    positions = torch.arange(t)[None].expand(s, t)
+        prev = prev + (torch.rand(prev.shape, generator=generator).to(device) - 0.5) * 2 * noise
+    positions = torch.arange(t, device=device)[None].expand(s, t)
     with torch.no_grad():
         embeds = target.embed_tokens(batch.token_ids)
     predicted = drafter(embeds, prev, positions, NoCache())                        # (S, T, H)
-    valid = torch.arange(t)[None] < batch.lengths[:, None]                         # (S, T)
+    valid = torch.arange(t, device=device)[None] < batch.lengths[:, None]          # (S, T)
     regression = (F.smooth_l1_loss(predicted, features, reduction="none").mean(-1) * valid).sum() / valid.sum()
     # NOTE: the head's cross-entropy at a sample of answer positions i (predicting token i + 1): the head is
     # thousands of rows wide, so every position would dominate the step's cost for little gain.
@@ -75,7 +79,7 @@ def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_wei
         pick = candidates[torch.randperm(len(candidates), generator=generator)[:ce_positions]]
         rows.append(torch.full_like(pick, row))
         cols.append(pick)
-    rows, cols = torch.cat(rows), torch.cat(cols)
+    rows, cols = torch.cat(rows).to(device), torch.cat(cols).to(device)
     weight, bias = _head(target, draft_vocab_size)
     logits = F.linear(predicted[rows, cols], weight, bias).float()                 # (P, N)
     with torch.no_grad():
@@ -94,12 +98,13 @@ def _soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> tuple[torc
 
 
 def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(S, M) anchor positions in each answer (a block predicts tokens anchor+1 .. anchor+B-1)."""
+    """(S, M) anchor positions in each answer (a block predicts tokens anchor+1 .. anchor+B-1), on the batch's
+    device (drawn on the CPU, where `generator` is)."""
     anchors = []
     for length, prompt_len in zip(batch.lengths.tolist(), batch.prompt_lens.tolist()):
         low, high = max(1, prompt_len - 1), max(1, length - 2)
         anchors.append(torch.randint(low, max(low + 1, high + 1), (num_anchors,), generator=generator))
-    return torch.stack(anchors)
+    return torch.stack(anchors).to(batch.token_ids.device)
 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
@@ -108,14 +113,14 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     s, t = batch.token_ids.shape
     block = drafter.block_size
     anchors = sample_anchors(batch, num_anchors, generator)                        # (S, M)
-    offsets = torch.arange(block)
+    offsets = torch.arange(block, device=batch.token_ids.device)
     block_positions = (anchors[..., None] + offsets).reshape(s, -1)                # (S, M*B)
     label_positions = block_positions.clamp(max=t - 1)
     labels = batch.token_ids.gather(1, label_positions)
     labels[(block_positions >= batch.lengths[:, None])] = -100
     labels = labels.view(s, num_anchors, block)[:, :, 1:]                          # (S, M, B-1)
     stream = drafter.context_stream(batch.features)                                # (S, T, H)
-    context = drafter.stream_kv(stream, torch.arange(t)[None].expand(s, t))
+    context = drafter.stream_kv(stream, torch.arange(t, device=stream.device)[None].expand(s, t))
     with torch.no_grad():
         first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
     last = stream.gather(1, (anchors - 1)[..., None].expand(-1, -1, stream.shape[-1]))    # (S, M, H): before each block
@@ -185,7 +190,7 @@ def _dflash_teacher(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, 
     hidden = target.norm.weight.shape[0]
     column = drafter.feature_layers.index(last) * hidden
     s, t, _ = batch.features.shape
-    positions = (anchors[..., None] + torch.arange(block - 1)).clamp(max=t - 1).reshape(s, -1)   # (S, M*(B-1))
+    positions = (anchors[..., None] + torch.arange(block - 1, device=anchors.device)).clamp(max=t - 1).reshape(s, -1)
     states = batch.features[..., column:column + hidden].gather(1, positions[..., None].expand(-1, -1, hidden))
     return states.view(s, anchors.shape[1], block - 1, hidden)
 

@@ -185,8 +185,9 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     elif train.add_layers:
         raise LabError("train.add_layers deepens a trained drafter", "set train.init_from=<a dflash checkpoint>")
     else:
-        drafter = build_drafter(kind, target, options).float()
+        drafter = build_drafter(kind, target, options).to(target.device, torch.float32)
         init_from_target(drafter, target.model, bool(options.get("start_as_identity", False)))
+    drafter = drafter.to(target.device)   # NOTE: batches are built on the CPU (the cached features) and moved here
     target_model = target.model.float().eval()
     for p in target_model.parameters():
         p.requires_grad_(False)
@@ -213,7 +214,8 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     stop = _StopOnSignal()
     for step in stop.steps(steps_done):
         index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
-        batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len)
+        batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len,
+                           target.device)
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, train.steps, train.warmup_steps, train.lr)
         loss, metrics = loss_fn(drafter, batch, generator)
@@ -268,11 +270,12 @@ def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max
     """Mean validation metrics over held-out sequences, batches of 4, the same anchors every time."""
     drafter.eval()
     sequences, features = val
+    device = next(drafter.parameters()).device
     totals: dict[str, float] = {}
     batches = 0
     generator = torch.Generator().manual_seed(1234)
     for i in range(0, len(sequences), 4):
-        _, metrics = loss_fn(drafter, make_batch(sequences[i:i + 4], features[i:i + 4], max_len), generator)
+        _, metrics = loss_fn(drafter, make_batch(sequences[i:i + 4], features[i:i + 4], max_len, device), generator)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         batches += 1
