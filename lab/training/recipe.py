@@ -210,7 +210,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     drafter.train()
     losses: list[float] = []
     best: _Best | None = None
-    steps_done = min(train.steps, train.steps if train.stop_after is None else train.stop_after)
+    steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
     stop = _StopOnSignal()
     for step in stop.steps(steps_done):
         index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
@@ -247,7 +247,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
                **{f"val_before/{k}": v for k, v in before.items()}, **{f"val/{k}": v for k, v in after.items()}}
     save_drafter(output, drafter.eval(), target_model, command, metrics)
     log(f"saved {output} ({output.stat().st_size / 1e6:.1f} MB)")
-    logger.log_summary({**metrics, "best_step": best.step})
+    logger.log_summary(metrics)
     logger.log_artifact(output, f"{kind}-{output.stem}", kind="model")
     return metrics
 
@@ -293,7 +293,7 @@ class _StopOnSignal:
         self.steps_done = 0
 
     def steps(self, count: int) -> Iterator[int]:
-        previous = {}
+        previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             previous = {number: signal.signal(number, self._receive) for number in (signal.SIGINT, signal.SIGTERM)}
         try:
