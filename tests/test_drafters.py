@@ -30,7 +30,7 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
-from lab.training.data import DataConfig, Sequence, load_training_data, reference_sequences
+from lab.training.data import DataConfig, Sequence, load_training_data, reference_sequences, target_features
 from lab.training.losses import dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
@@ -275,10 +275,7 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     drafter = load_drafter(trained["dflash"][0], "dflash", tiny_runner.model)
     result = AREngine(tiny_runner).run(make_requests(_prompts(4, seed=9), 20, ignore_eos=True))
     sequences = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]   # the target's own text
-    positions = [torch.arange(len(seq.token_ids))[None] for seq in sequences]
-    features = [tiny_runner.execute_with_features(torch.tensor([seq.token_ids]), pos, NoCache(),
-                                                  torch.tensor([0]), drafter.feature_layers)[1][0]
-                for seq, pos in zip(sequences, positions)]
+    features = target_features(tiny_runner, sequences, drafter.feature_layers)
     with torch.no_grad():
         _, metrics = dflash_loss(drafter, tiny_runner.model, make_batch(sequences, features, 96), num_anchors=8,
                                  generator=torch.Generator().manual_seed(0), per_offset=True)
@@ -306,10 +303,7 @@ def test_greedy_path_changes_nothing_on_the_targets_own_text(trained: dict, tiny
     other = [Sequence(p + list(range(5, 29)), len(p)) for p in _prompts(4, seed=11)]
 
     def losses(sequences: list[Sequence]) -> tuple[dict, dict]:
-        features = [tiny_runner.execute_with_features(torch.tensor([s.token_ids]), torch.arange(len(s.token_ids))[None],
-                                                      NoCache(), torch.tensor([0]), drafter.feature_layers)[1][0]
-                    for s in sequences]
-        batch = make_batch(sequences, features, 96)
+        batch = make_batch(sequences, target_features(tiny_runner, sequences, drafter.feature_layers), 96)
         with torch.no_grad():
             return tuple(dflash_loss(drafter, tiny_runner.model, batch, num_anchors=8, per_offset=True,
                                      generator=torch.Generator().manual_seed(0), greedy_path=flag)[1]
