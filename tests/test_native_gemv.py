@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.models import native_gemv
-from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights, use_half_weights
+from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights,
+                                       project_rows, use_half_weights)
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import make_requests
@@ -146,6 +147,26 @@ def test_half_weights_serve_few_rows_and_step_aside_when_stale(count_gemv: list[
             layer.weight.mul_(2)                   # the fp16 copy is stale now: the live fp32 weight serves
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
         assert count_gemv[0] == 1
+
+
+@needs_kernel
+def test_project_rows_streams_part_of_the_fp16_copy() -> None:
+    """project_rows (a drafter's K and V out of its fused QKV): the product with those rows of the weight, of the
+    fp16 copy for a few rows, of the live fp32 weight for more rows, a plain nn.Linear or a stale copy."""
+    layer = _packed_layer(out_features=40, in_features=24, bias=False)
+    rows = slice(16, None)
+    with torch.inference_mode():
+        x, many = torch.randn(1, 3, layer.in_features), torch.randn(1, NATIVE_MAX_ROWS + 1, layer.in_features)
+        torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, layer.weight[rows]))
+        use_half_weights(torch.nn.Sequential(layer))
+        torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, layer.weight[rows].half().float()),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(project_rows(layer, many, rows), F.linear(many, layer.weight[rows]))
+        with torch.no_grad():
+            layer.weight.mul_(2)                   # the fp16 copy is stale now: the live fp32 weight serves
+        torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, layer.weight[rows]))
+        plain = torch.nn.Linear(24, 40, bias=False)
+        torch.testing.assert_close(project_rows(plain, x, rows), F.linear(x, plain.weight[rows]))
 
 
 def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = True) -> PackedLinear:

@@ -19,6 +19,7 @@ from torch import nn
 
 from lab.models.config import DecoderConfig
 from lab.models.decoder import MLP, RMSNorm
+from lab.models.packed_linear import project_rows
 from lab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -81,7 +82,7 @@ class DFlashLayer(nn.Module):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """context (S, C, H), already projected and normalised -> this layer's k, v (S, Hkv, C, D)."""
         s, c, _ = context.shape
-        kv = F.linear(context, self.qkv_proj.weight[self.q_size:])                 # (S, C, 2 Hkv D)
+        kv = project_rows(self.qkv_proj, context, slice(self.q_size, None))          # (S, C, 2 Hkv D)
         k, v = kv.view(s, c, 2 * self.num_kv_heads, self.head_dim).split(self.num_kv_heads, dim=2)
         return apply_rope(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
 

@@ -102,6 +102,16 @@ class PackedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """x (..., in) -> x @ linear.weight[rows].T (..., rows), no bias: part of a fused projection (a drafter's K and V
+    without Q). Few rows stream that part of the fp16 copy (use_half_weights) where the native kernel runs."""
+    half = getattr(linear, "half_weight", None)
+    if (half is not None and linear._half_key == linear._weight_key() and 0 < x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
+            and native_gemv.usable(x, linear.weight)):
+        return native_gemv.gemv_f16(x, half[rows], None)
+    return F.linear(x, linear.weight[rows])
+
+
 def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) -> int:
     """Turn every plain nn.Linear of `model` into a PackedLinear in place (packed for `backend`, default
     default_backend()), repacking PackedLinears packed for another backend or from a weight changed since;
