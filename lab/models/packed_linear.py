@@ -80,6 +80,11 @@ class PackedLinear(nn.Linear):
     def _weight_key(self) -> tuple[int, int]:
         return self.weight.data_ptr(), self.weight._version
 
+    def half_copy_serves(self, x: torch.Tensor) -> bool:
+        """Whether input x goes to the fp16 copy: a few rows, a fresh copy, and the native kernel usable."""
+        return (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and self.half_weight is not None
+                and self._half_key == self._weight_key() and native_gemv.usable(x, self.weight, self.bias))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: a weight replaced or changed in place after packing makes the copy stale: fall back. oneDNN's
         # op and the native GEMV have no autograd kernel, so anything that backpropagates (drafter
@@ -87,8 +92,7 @@ class PackedLinear(nn.Linear):
         # it row-major: a column-major weight (no kernel at load time) stays on MKL.
         weight = self.weight
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
-        if (few_rows and self.half_weight is not None and self._half_key == self._weight_key()
-                and native_gemv.usable(x, weight, self.bias)):
+        if self.half_copy_serves(x):
             return native_gemv.gemv_f16(x, self.half_weight, self.bias)
         if (few_rows and weight.stride(-1) == 1
                 and weight.dtype == torch.float32 and native_gemv.usable(x, weight)):
@@ -105,10 +109,8 @@ class PackedLinear(nn.Linear):
 def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
     """x (..., in) -> x @ linear.weight[rows].T (..., rows), no bias: part of a fused projection (a drafter's K and V
     without Q). Few rows stream that part of the fp16 copy (use_half_weights) where the native kernel runs."""
-    half = getattr(linear, "half_weight", None)
-    if (half is not None and linear._half_key == linear._weight_key() and 0 < x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
-            and native_gemv.usable(x, linear.weight)):
-        return native_gemv.gemv_f16(x, half[rows], None)
+    if isinstance(linear, PackedLinear) and linear.half_copy_serves(x):
+        return native_gemv.gemv_f16(x, linear.half_weight[rows], None)
     return F.linear(x, linear.weight[rows])
 
 
