@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # NOTE: experiments/ is a folder of scripts
-from plots import Job, load_sweep  # noqa: E402
+from plots import Job, load_sweep, save_figure  # noqa: E402
 from static_batching import markdown_table  # noqa: E402
 
 ENGINES = ("static", "cb_rebuild", "cb_slots", "cb_paged", "hf_cb")
@@ -93,12 +93,6 @@ def _bars(ax: Any, rows: list[dict[str, Any]], key: str, label: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
 
 
-def save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
 
 def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -106,7 +100,7 @@ def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     _bars(axes[1], rows, "cpu_tok_s", "output tok/s per CPU-second")
     axes[0].legend(fontsize=8)
     fig.suptitle("Output throughput at the same max batch")
-    return save(fig, out / "cb_throughput.png")
+    return save_figure(fig, out / "cb_throughput.png")
 
 
 def plot_latency(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -117,7 +111,7 @@ def plot_latency(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.set_yscale("log")
     axes[0, 0].legend(fontsize=8)
     fig.suptitle("Latency percentiles")
-    return save(fig, out / "cb_latency.png")
+    return save_figure(fig, out / "cb_latency.png")
 
 
 def plot_kv(rows: list[dict[str, Any]], budget_mb: float, out: Path) -> Path:
@@ -129,7 +123,7 @@ def plot_kv(rows: list[dict[str, Any]], budget_mb: float, out: Path) -> Path:
     _bars(axes[2], rows, "max_requests_in_budget", f"requests a {budget_mb:.0f} MB KV budget holds")
     axes[0].legend(fontsize=8)
     fig.suptitle("KV memory: reservation vs use (the fragmentation paging removes)")
-    return save(fig, out / "cb_kv_memory.png")
+    return save_figure(fig, out / "cb_kv_memory.png")
 
 
 def plot_rebuild(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -138,7 +132,7 @@ def plot_rebuild(rows: list[dict[str, Any]], out: Path) -> Path:
     _bars(axes[1], rows, "rebuild_share", "share of run time rebuilding")
     axes[0].legend(fontsize=8)
     fig.suptitle("Cache rebuilds: cb_rebuild re-lays out its padded cache on every join/leave; 2D/2E never do")
-    return save(fig, out / "cb_rebuild.png")
+    return save_figure(fig, out / "cb_rebuild.png")
 
 
 def main(argv: list[str] | None = None) -> int:

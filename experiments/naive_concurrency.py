@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # NOTE: experiments/ is a folder of scripts
-from plots import Job, load_sweep  # noqa: E402
-from static_batching import log2_axis, markdown_table, plt, save  # noqa: E402
+from plots import Job, load_sweep, save_figure  # noqa: E402
+from static_batching import log2_axis, markdown_table, plt  # noqa: E402
 
 from lab.engines.concurrent import max_requests_within_budget  # noqa: E402
 
@@ -75,7 +75,7 @@ def plot_latency(groups: dict[str, list[dict[str, Any]]], ns: list[int], out: Pa
         log2_axis(ax, ns, "N concurrent requests")
     axes[0].legend(fontsize=7)
     fig.suptitle("Latency vs N: naive concurrency vs static batching")
-    return save(fig, out / "concurrency_latency.png")
+    return save_figure(fig, out / "concurrency_latency.png")
 
 
 def plot_throughput(groups: dict[str, list[dict[str, Any]]], ns: list[int], out: Path) -> Path:
@@ -85,7 +85,7 @@ def plot_throughput(groups: dict[str, list[dict[str, Any]]], ns: list[int], out:
     log2_axis(ax, ns, "N concurrent requests")
     ax.legend(fontsize=8)
     ax.set_title("Aggregate throughput vs N")
-    return save(fig, out / "concurrency_throughput.png")
+    return save_figure(fig, out / "concurrency_throughput.png")
 
 
 def plot_memory(groups: dict[str, list[dict[str, Any]]], ns: list[int], out: Path) -> Path:
@@ -100,7 +100,7 @@ def plot_memory(groups: dict[str, list[dict[str, Any]]], ns: list[int], out: Pat
         log2_axis(ax, ns, "N concurrent requests")
         ax.legend(fontsize=7)
     fig.suptitle("Memory vs N (weights are in both engines' base; the workers share them)")
-    return save(fig, out / "concurrency_memory.png")
+    return save_figure(fig, out / "concurrency_memory.png")
 
 
 def largest_n(rows: list[dict[str, Any]], budget_mb: float, context_len: int) -> dict[str, dict[str, Any]]:

@@ -128,7 +128,8 @@ def _colors(labels: Iterable[str]) -> dict[str, Any]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(unique)}
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a figure; returns the path. Every sweep script saves through it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -164,7 +165,7 @@ def plot_latency_cdfs(jobs: list[Job], swept: list[str], out: Path) -> Path:
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    return _save(fig, out / "latency_cdf.png")
+    return save_figure(fig, out / "latency_cdf.png")
 
 
 def plot_throughput(jobs: list[Job], swept: list[str], out: Path) -> list[Path]:
@@ -178,7 +179,7 @@ def plot_throughput(jobs: list[Job], swept: list[str], out: Path) -> list[Path]:
             ax.bar(range(len(jobs)), [j.results.get(key, np.nan) for j in jobs])
             ax.set_xticks(range(len(jobs)), labels, rotation=45, ha="right", fontsize=7)
             ax.set(ylabel=title, title=title)
-        return [_save(fig, out / "throughput.png")]
+        return [save_figure(fig, out / "throughput.png")]
     paths = []
     for x_key in numeric:
         others = [k for k in swept if k != x_key]
@@ -187,7 +188,7 @@ def plot_throughput(jobs: list[Job], swept: list[str], out: Path) -> list[Path]:
             _lines(ax, jobs, others, lambda j: j.params[x_key], lambda j, key=key: j.results.get(key, np.nan))
             ax.set(xlabel=short(x_key), ylabel=title, title=f"{title} vs {short(x_key)}")
         axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
-        paths.append(_save(fig, out / f"throughput_vs_{short(x_key)}.png"))
+        paths.append(save_figure(fig, out / f"throughput_vs_{short(x_key)}.png"))
     return paths
 
 
@@ -223,7 +224,7 @@ def plot_length_effects(jobs: list[Job], swept: list[str], out: Path) -> list[Pa
     _scatter_by_series(ax, jobs, series, lambda r: (r.get("prompt_len"), r.get("ttft_ms")))
     ax.set(xlabel="prompt length (tokens)", ylabel="TTFT (ms)", title="TTFT vs prompt length")
     ax.legend(fontsize=8)
-    paths = [_save(fig, out / "ttft_vs_prompt_len.png")]
+    paths = [save_figure(fig, out / "ttft_vs_prompt_len.png")]
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     _scatter_by_series(left, jobs, series, lambda r: (_mean_context(r), _tpot(r)))
@@ -243,7 +244,7 @@ def plot_length_effects(jobs: list[Job], swept: list[str], out: Path) -> list[Pa
     right.set(xlabel="context length at the decode step (tokens)", ylabel="ITL (ms, median over requests)",
               title="decode step time vs context")
     right.grid(alpha=0.3)
-    paths.append(_save(fig, out / "tpot_vs_context.png"))
+    paths.append(save_figure(fig, out / "tpot_vs_context.png"))
     return paths
 
 
@@ -267,7 +268,7 @@ def plot_memory(jobs: list[Job], swept: list[str], out: Path) -> Path | None:
         _lines(ax, measured, series, _max_context, lambda j, key=key, scale=scale: j.results[key] * scale)
         ax.set(xlabel="longest sequence in the job (tokens)", ylabel=title, title=title)
         ax.legend(fontsize=7)
-    return _save(fig, out / "memory_vs_length.png")
+    return save_figure(fig, out / "memory_vs_length.png")
 
 
 def summary_table(jobs: list[Job], swept: list[str]) -> str:

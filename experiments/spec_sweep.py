@@ -25,6 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
+from plots import save_figure  # noqa: E402
 from sweep_jobs import finished_jobs  # noqa: E402
 
 PROPOSERS = {"NgramProposerConfig": "ngram", "SuffixProposerConfig": "suffix",
@@ -112,12 +113,6 @@ def _line(ax: Any, groups: dict[str, list[dict[str, Any]]], x: str, y: str) -> N
     ax.grid(True, alpha=0.3)
 
 
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
 
 def plot_acceptance(rows: list[dict[str, Any]], out: Path) -> Path:
     """Acceptance rate and tau vs k at concurrency 1; per-position acceptance at the largest k."""
@@ -136,7 +131,7 @@ def plot_acceptance(rows: list[dict[str, Any]], out: Path) -> Path:
     axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
     fig.suptitle(f"Acceptance (concurrency {lowest})")
-    return _save(fig, out / "spec_acceptance.png")
+    return save_figure(fig, out / "spec_acceptance.png")
 
 
 def plot_speedup(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -159,7 +154,7 @@ def plot_speedup(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, out / "spec_speedup.png")
+    return save_figure(fig, out / "spec_speedup.png")
 
 
 def plot_step_cost(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -188,7 +183,7 @@ def plot_step_cost(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     axes[1].set_xticks(range(len(settings)), [f"{w} {p} k={k}" for w, p, k in settings], rotation=60, fontsize=7)
-    return _save(fig, out / "spec_step_cost.png")
+    return save_figure(fig, out / "spec_step_cost.png")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

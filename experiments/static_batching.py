@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # NOTE: experiments/ is a folder of scripts
-from plots import Job, load_sweep  # noqa: E402
+from plots import Job, load_sweep, save_figure  # noqa: E402
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: dict[str, str]) -> str:
@@ -44,12 +44,6 @@ def log2_axis(ax: Any, values: list[int], label: str) -> None:
     ax.set_xlabel(label)
     ax.grid(True, alpha=0.3)
 
-
-def save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def job_row(job: Job) -> dict[str, Any]:
@@ -103,7 +97,7 @@ def plot_throughput(rows: list[dict[str, Any]], knee: float | None, out: Path) -
     lines = ax.get_legend_handles_labels()[0] + user.get_legend_handles_labels()[0]
     ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper left")
     ax.set_title("Static batching: aggregate vs per-user throughput")
-    return save(fig, out / "static_throughput.png")
+    return save_figure(fig, out / "static_throughput.png")
 
 
 def plot_latency(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -121,7 +115,7 @@ def plot_latency(rows: list[dict[str, Any]], out: Path) -> Path:
                  label=f"step fit {fixed:.0f} + {per_row:.1f} x B ms")
     axes[1].legend(fontsize=8)
     fig.suptitle("Static batching: latency vs batch size")
-    return save(fig, out / "static_latency.png")
+    return save_figure(fig, out / "static_latency.png")
 
 
 def plot_waste(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -135,7 +129,7 @@ def plot_waste(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_ylabel("share of computed token slots")
     ax.legend(fontsize=8)
     ax.set_title("Static batching waste")
-    return save(fig, out / "static_waste.png")
+    return save_figure(fig, out / "static_waste.png")
 
 
 COLUMNS = {"batch_size": "B", "completed": "done", "output_tok_s": "aggregate tok/s",
