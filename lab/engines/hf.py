@@ -106,14 +106,19 @@ class HFEngine(Engine):
         new_tokens = sequences[:, width:].tolist()
         self._record_phases(now, clock.times, len(batch), width)
         for request, row in zip(batch, new_tokens):
-            for token_id, at in zip(row, clock.times):
-                if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
-                    break
-            if not request.is_finished:
-                fail([request], f"generate() returned {request.num_output_tokens} tokens, fewer than max_tokens "
-                                f"{request.sampling_params.max_tokens} without a stop token")
+            self._take_generated(request, row, clock.times)
         self.running = []
         return batch
+
+    def _take_generated(self, request: Request, token_ids: list[int], times: list[float]) -> None:
+        """Append generate()'s tokens (stamped with the times the streamer saw them) until the request finishes;
+        a request generate() left unfinished (fewer than max_tokens, no stop token) is failed, not kept short."""
+        for token_id, at in zip(token_ids, times):
+            if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
+                break
+        if not request.is_finished:
+            fail([request], f"generate() returned {request.num_output_tokens} tokens, fewer than max_tokens "
+                            f"{request.sampling_params.max_tokens} without a stop token")
 
     def _record_phases(self, start: float, token_times: list[float], batch_size: int, width: int) -> None:
         """generate() is one call: the first token closes prefill, the rest is decode."""

@@ -21,7 +21,6 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from lab.engines.base import fail
 from lab.engines.hf import HFEngine
 from lab.errors import LabError
 from lab.models.sources import ModelSource
@@ -139,12 +138,7 @@ class HFAssistedEngine(HFEngine):
         clock = _ChunkClock()
         tokens = self._generate(request, clock)
         self._record_forwards(start, clock, request.num_prompt_tokens)
-        for token_id, at in zip(tokens, clock.times):
-            if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
-                break
-        if not request.is_finished:
-            fail([request], f"generate() returned {request.num_output_tokens} tokens, fewer than max_tokens "
-                            f"{request.sampling_params.max_tokens} without a stop token")
+        self._take_generated(request, tokens, clock.times)
         self.running = []
         return [request]
 
