@@ -93,7 +93,6 @@ def _bars(ax: Any, rows: list[dict[str, Any]], key: str, label: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
 
 
-
 def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     _bars(axes[0], rows, "output_tok_s", "output tok/s (wall clock)")

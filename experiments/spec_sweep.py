@@ -113,7 +113,6 @@ def _line(ax: Any, groups: dict[str, list[dict[str, Any]]], x: str, y: str) -> N
     ax.grid(True, alpha=0.3)
 
 
-
 def plot_acceptance(rows: list[dict[str, Any]], out: Path) -> Path:
     """Acceptance rate and tau vs k at concurrency 1; per-position acceptance at the largest k."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

@@ -45,7 +45,6 @@ def log2_axis(ax: Any, values: list[int], label: str) -> None:
     ax.grid(True, alpha=0.3)
 
 
-
 def job_row(job: Job) -> dict[str, Any]:
     r = job.results
     batch = int(r["config"]["engine"]["batch_size"])

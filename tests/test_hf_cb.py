@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lab.engines.ar import AREngine
+from lab.engines.base import take_generated
 from lab.engines.hf_cb import HFCBEngine
 from lab.errors import LabError
 from lab.request import Request, RequestStatus
@@ -99,3 +100,15 @@ def test_smollm2_chat_prompts_equal_ar(smollm2_runner: ModelRunner) -> None:
         # near-tie could in principle flip on another machine (the issue allows it at top-2 margin < 1e-4).
         assert request.output_token_ids == reference[request.request_id], (
             f"{tokenizer.decode(request.output_token_ids)!r} != {tokenizer.decode(reference[request.request_id])!r}")
+
+
+def test_take_generated_stops_at_eos_and_fails_a_short_generation() -> None:
+    """The HF engines' shared intake: tokens up to a stop token are kept with their times; a generator that
+    returns fewer than max_tokens without one fails the request with a message naming it, never keeps it short."""
+    done, short = make_requests([[5, 6], [7]], max_tokens=4)
+    take_generated(done, [11, 2, 13], [0.1, 0.2, 0.3], {2}, "generate()")
+    assert done.output_token_ids == [11, 2] and done.token_times == [0.1, 0.2]
+    assert done.status == RequestStatus.FINISHED_STOPPED and done.error is None
+    take_generated(short, [11, 12], [0.1, 0.2], {2}, "HF continuous batching")
+    assert short.status == RequestStatus.FINISHED_ABORTED
+    assert "HF continuous batching returned 2 tokens, fewer than max_tokens 4" in short.error

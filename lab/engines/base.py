@@ -168,3 +168,16 @@ def fail(requests: list[Request], error: str) -> list[Request]:
     for request in requests:
         request.finish(RequestStatus.FINISHED_ABORTED, error)
     return requests
+
+
+def take_generated(request: Request, token_ids: list[int], times: list[float], eos_token_ids: set[int],
+                   source: str) -> None:
+    """Append the tokens an outside generator (`source`: HF generate(), HF continuous batching) returned, stamped
+    with the times it produced them, until the request finishes; one it left unfinished (fewer than max_tokens,
+    no stop token) is failed with a clear error, never kept short."""
+    for token_id, at in zip(token_ids, times):
+        if request.append_output_token(int(token_id), eos_token_ids, now=at):
+            break
+    if not request.is_finished:
+        fail([request], f"{source} returned {request.num_output_tokens} tokens, fewer than max_tokens "
+                        f"{request.sampling_params.max_tokens} without a stop token")

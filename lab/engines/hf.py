@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from lab.engines.base import Engine, fail
+from lab.engines.base import Engine, fail, take_generated
 from lab.errors import LabError
 from lab.request import Request, RequestStatus, SamplingParams
 from lab.runner import ModelRunner
@@ -106,19 +106,9 @@ class HFEngine(Engine):
         new_tokens = sequences[:, width:].tolist()
         self._record_phases(now, clock.times, len(batch), width)
         for request, row in zip(batch, new_tokens):
-            self._take_generated(request, row, clock.times)
+            take_generated(request, row, clock.times, self.runner.eos_token_ids, "generate()")
         self.running = []
         return batch
-
-    def _take_generated(self, request: Request, token_ids: list[int], times: list[float]) -> None:
-        """Append generate()'s tokens (stamped with the times the streamer saw them) until the request finishes;
-        a request generate() left unfinished (fewer than max_tokens, no stop token) is failed, not kept short."""
-        for token_id, at in zip(token_ids, times):
-            if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
-                break
-        if not request.is_finished:
-            fail([request], f"generate() returned {request.num_output_tokens} tokens, fewer than max_tokens "
-                            f"{request.sampling_params.max_tokens} without a stop token")
 
     def _record_phases(self, start: float, token_times: list[float], batch_size: int, width: int) -> None:
         """generate() is one call: the first token closes prefill, the rest is decode."""

@@ -21,6 +21,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from lab.engines.base import take_generated
 from lab.engines.hf import HFEngine
 from lab.errors import LabError
 from lab.models.sources import ModelSource
@@ -138,7 +139,7 @@ class HFAssistedEngine(HFEngine):
         clock = _ChunkClock()
         tokens = self._generate(request, clock)
         self._record_forwards(start, clock, request.num_prompt_tokens)
-        self._take_generated(request, tokens, clock.times)
+        take_generated(request, tokens, clock.times, self.runner.eos_token_ids, "generate()")
         self.running = []
         return [request]
 

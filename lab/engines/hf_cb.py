@@ -20,7 +20,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from lab.engines.base import Engine, RunResult, fail
+from lab.engines.base import Engine, RunResult, fail, take_generated
 from lab.errors import LabError
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
@@ -171,12 +171,7 @@ class HFCBEngine(Engine):
             self.num_missing_timestamps += len(tokens) - len(times)
             first = times[0] if times else output.lifespan[1]
             times = [first] * (len(tokens) - len(times)) + times
-        for token_id, at in zip(tokens, times):
-            if request.append_output_token(int(token_id), self.runner.eos_token_ids, now=at):
-                break
-        if not request.is_finished:
-            fail([request], f"HF continuous batching returned {request.num_output_tokens} tokens, fewer than "
-                            f"max_tokens {request.sampling_params.max_tokens} without a stop token")
+        take_generated(request, tokens, times, self.runner.eos_token_ids, "HF continuous batching")
         return [request]
 
     def abort_running_request(self, request_id: str, error: str) -> Request | None:
