@@ -4,6 +4,8 @@ length) per method and dataset, and where each method's speedup falls below 1.0.
     python experiments/crossover.py outputs/multirun/<day>/crossover_<time> [more sweep dirs] [--out DIR]
 
 Writes <out>/crossover.json (rows + crossover points), <out>/crossover.png, and prints a markdown table.
+On the concurrency axis each method also gets `pays_up_to`: the most requests at which drafting still paid,
+the value for `engine.disable_by_batch_size` (no drafts above it; lab/spec/schedule.py).
 Every job ran its own AR baseline first (engine.measure_speedup), so each speedup is a ratio measured in
 one process. Owns: reading results.json, finding crossovers, drawing. Ignores: measuring.
 """
@@ -99,8 +101,17 @@ def crossovers(rows: list[dict[str, Any]], axis: str) -> list[dict[str, Any]]:
         point = crossover_point([r[axis] for r in line], [r["speedup_tpot"] for r in line], log_x=axis == "concurrency")
         result.append({"workload": key[0], "method": key[1], **({"concurrency": key[2]} if len(key) > 2 else {}),
                        "axis": axis, **point,
-                       "best_speedup_tpot": max((r["speedup_tpot"] for r in line), default=math.nan)})
+                       "best_speedup_tpot": max((r["speedup_tpot"] for r in line), default=math.nan),
+                       **({"pays_up_to": pays_up_to(point)} if axis == "concurrency" else {})})
     return result
+
+
+def pays_up_to(point: dict[str, Any]) -> int | None:
+    """The most requests in flight at which drafting still paid: the setting for the engine's
+    `disable_by_batch_size` (lab/spec/schedule.py); 0 = it never paid, None = it paid at every tested size."""
+    if point["crossover"] is not None:
+        return int(math.floor(point["crossover"]))
+    return 0 if point["status"].startswith("below") else None
 
 
 def plot(rows: list[dict[str, Any]], axis: str, out: Path) -> Path:
@@ -130,11 +141,14 @@ def markdown_table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> 
 
     lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(row.get(key, "")) for key in COLUMNS) + " |" for row in rows]
-    lines += ["", "| dataset | method | crossover (speedup < 1.0) | best TPOT speedup |", "|---|---|---|---|"]
+    by_batch = any("pays_up_to" in p for p in points)
+    lines += ["", "| dataset | method | crossover (speedup < 1.0) | best TPOT speedup |"
+              + (" drafts pay up to (requests) |" if by_batch else ""), "|---|---|---|---|" + ("---|" if by_batch else "")]
     for p in points:
         where = f"{p['crossover']:.3g} ({p['status']})" if p["crossover"] else p["status"]
         method = p["method"] + (f", concurrency {p['concurrency']}" if "concurrency" in p else "")
-        lines.append(f"| {p['workload']} | {method} | {where} | {cell(p['best_speedup_tpot'])} |")
+        pays = (" all tested |" if p["pays_up_to"] is None else f" {p['pays_up_to']} |") if by_batch else ""
+        lines.append(f"| {p['workload']} | {method} | {where} | {cell(p['best_speedup_tpot'])} |{pays}")
     return "\n".join(lines)
 
 

@@ -71,15 +71,18 @@ def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, c
     by_method = {p["method"]: p for p in data["crossovers"]}
     assert by_method["EAGLE"]["crossover"] == pytest.approx(2 ** (2 + 0.2 / 0.4 * 2))
     assert by_method["DFlash"]["crossover"] is None and "still above" in by_method["DFlash"]["status"]
+    assert [by_method[m]["pays_up_to"] for m in ("vanilla (suffix)", "EAGLE", "DFlash")] == [2, 8, None]
+    assert crossover.pays_up_to(crossover.crossover_point([1, 4], [0.8, 0.5])) == 0
     printed = capsys.readouterr().out
-    assert "skipped" in printed and "| mtbench | DFlash |" in printed
+    assert "skipped" in printed and "| mtbench | DFlash | still above 1.0 at 16 | 2 | all tested |" in printed
+    assert "| mtbench | EAGLE | 8 (crosses between 4 and 16) | 1.6 | 8 |" in printed
 
 
 def test_prompt_length_axis(crossover: ModuleType, tmp_path: Path) -> None:
     rows, _ = crossover.load_rows([_write_sweep(tmp_path / "sweep", (8, 256, 768))])
     assert crossover.axis_of(rows) == "prompt_len"
     points = crossover.crossovers(rows, "prompt_len")
-    assert len(points) == 9 and all("concurrency" in p for p in points)
+    assert len(points) == 9 and all("concurrency" in p and "pays_up_to" not in p for p in points)
     assert not any(math.isnan(p["best_speedup_tpot"]) for p in points)
 
 

@@ -22,6 +22,7 @@ from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.kv_cache.base import NoCache
 from lab.models.sources import default_cache_dir, tiny
+from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
@@ -196,6 +197,26 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec/draft_unready_requests"] == 0
     assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_drafters_catch_up_after_steps_the_batch_size_left_undrafted(trained: dict, kind: str,
+                                                                    tiny_runner: ModelRunner) -> None:
+    """disable_by_batch_size=2: no drafts while 3-4 requests run; as they finish, the drafter drafts again from
+    features of every position (observed meanwhile) and the output stays the target's."""
+    prompts = _prompts(16, seed=3)[8:13]
+    lengths = [10, 14, 18, 22, 26]
+    expected = [r.output_token_ids[:n] for r, n in zip(AREngine(tiny_runner).run(
+        make_requests(prompts, max(lengths), ignore_eos=True)).requests, lengths)]
+    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=2,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV,
+                               disable_by_batch_size=2)
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
+    assert [r.output_token_ids for r in engine.run(requests).requests] == expected
+    stats = engine.stats()
+    assert stats["spec/num_steps_not_drafted"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
+    assert stats["spec/draft_unready_requests"] == 0
 
 
 def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_runner: ModelRunner) -> None:

@@ -11,13 +11,16 @@ from lab.engines.ar import AREngine
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.kv_cache import PagedKVCacheConfig
+from lab.request import Request, SamplingParams
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
+from lab.errors import LabError
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
+from lab.spec.schedule import SpecSchedule
 from lab.spec.suffix import SuffixProposerConfig
 from tests.helpers import chat_prompt, make_requests
 
@@ -84,6 +87,40 @@ def test_zero_spec_tokens_reproduces_the_plain_engine(tiny_source, tiny_runner: 
     assert [r.output_token_ids for r in a.requests] == [r.output_token_ids for r in b.requests]
     assert plain.num_steps == spec.num_steps, f"{plain.num_steps} != {spec.num_steps} steps"
     assert spec.stats()["spec_decode_num_drafts"] == 0
+
+
+def test_spec_schedule_picks_k_by_batch_size() -> None:
+    every = SpecSchedule.build(3)
+    assert [every.num_spec_tokens(n) for n in (1, 8, 10_000)] == [3, 3, 3]
+    stepped = SpecSchedule.build(3, [[1, 3], [4, 1]])
+    assert [stepped.num_spec_tokens(n) for n in (1, 2, 4, 5, 32)] == [3, 1, 1, 0, 0]
+    assert SpecSchedule.build(3, [[1, 3], [4, 1]], disable_by_batch_size=2).steps == ((1, 3), (2, 1))
+    assert SpecSchedule.build(3, [[2, 3], [8, 1]], disable_by_batch_size=2).steps == ((2, 3),)
+    assert SpecSchedule.build(2, None, disable_by_batch_size=4).steps == ((4, 2),)   # vLLM's option
+    for bad, match in (([[1, 4]], "k in 0..3"), ([[4, 2], [2, 1]], "does not follow 4"), ([[0, 1]], "batch size must be"),
+                       ([[1]], "is not \\[batch size, k\\]"), ([[1, 1.5]], "is not")):
+        with pytest.raises(LabError, match=match):
+            SpecSchedule.build(3, bad)
+    with pytest.raises(LabError, match="disable_by_batch_size must be a positive integer"):
+        SpecSchedule.build(3, None, disable_by_batch_size=0)
+
+
+def test_the_schedule_drafts_by_batch_size_and_stays_lossless(tiny_source, tiny_runner: ModelRunner) -> None:
+    """Nothing drafted while 3+ requests run, 1 token at 2, 3 at 1 (the draft is the target: all accepted)."""
+    prompts = _repetitive_prompts(5, seed=6)
+    expected = _ar_outputs(tiny_runner, prompts, 16)
+    engine = SpeculativeEngine(tiny_runner, DraftModelProposerConfig(source=tiny_source), num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache=KV,
+                               num_spec_tokens_by_batch_size=[[1, 3], [2, 1]])
+    # staggered lengths, so the batch shrinks from 4 to 1 as requests finish
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=8 + 2 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    result = engine.run(requests)
+    expected = [e[:8 + 2 * i] for i, e in enumerate(expected)]
+    assert [r.output_token_ids for r in result.requests] == expected
+    stats = engine.stats()
+    assert stats["spec/num_steps_not_drafted"] > 0
+    assert stats["spec/acceptance_histogram/1"] > 0 and stats["spec/acceptance_histogram/3"] > 0, stats
+    assert stats["spec_decode_acceptance_rate"] == pytest.approx(100.0)
 
 
 def _kv_prefix(engine: ContinuousBatchingEngine, request_id: str, num_tokens: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ draft phase to `step`. `num_spec_tokens=0` is the plain engine. Metrics follow v
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -21,13 +22,15 @@ from lab.runner import ModelRunner
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.proposer import Draft, ProposerConfig
+from lab.spec.schedule import SpecSchedule
 
 
 class SpeculativeEngine(ContinuousBatchingEngine):
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
-                 speedup_rounds: int = 1) -> None:
+                 speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
+                 disable_by_batch_size: int | None = None) -> None:
         self._configs = (proposer, scheduler, kv_cache)
         kv_cache = kv_cache or PagedKVCacheConfig()
         if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
@@ -42,7 +45,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.speedup_rounds = speedup_rounds
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
-        self.num_spec_tokens = num_spec_tokens
+        self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
+        self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
@@ -56,6 +60,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
     def _reset_spec_counters(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_target_forwards = self.num_emitted_tokens = 0
+        self.num_steps_not_drafted = 0   # steps whose batch size the schedule drafts nothing for
         self.accepted_per_position = [0] * self.num_spec_tokens
         self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
 
@@ -115,17 +120,23 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         return finished
 
     def _propose(self) -> None:
+        num_spec_tokens = self.schedule.num_spec_tokens(len(self.scheduler.running))
+        if not num_spec_tokens:
+            # NOTE: feature drafters still observe every target forward, so they draft again at once when
+            # the batch shrinks; the skipped tokens are caught up like a cascade's fallback's.
+            self.num_steps_not_drafted += bool(self.scheduler.running)
+            return
         ready, budgets = [], []
         for request in self.scheduler.running:
             # NOTE: only requests past prefill draft; never past max_tokens (those drafts could not be kept).
             room = request.sampling_params.max_tokens - request.num_output_tokens - 1
             if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
                 ready.append(request)
-                budgets.append(min(self.num_spec_tokens, room))
+                budgets.append(min(num_spec_tokens, room))
         if not ready:
             return
-        with self.phases.phase("draft", num_tokens=len(ready) * self.num_spec_tokens):
-            drafts = self.proposer.propose(ready, self.num_spec_tokens, [self.generator_for(r) for r in ready])
+        with self.phases.phase("draft", num_tokens=len(ready) * num_spec_tokens):
+            drafts = self.proposer.propose(ready, num_spec_tokens, [self.generator_for(r) for r in ready])
         for request, budget in zip(ready, budgets):
             draft = drafts.get(request.request_id)
             if draft is not None and draft.token_ids:
@@ -155,6 +166,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  "spec_decode_acceptance_rate": 100.0 * self.num_accepted_tokens / max(1, self.num_draft_tokens),
                  "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts,
                  "spec/num_spec_tokens": self.num_spec_tokens,
+                 "spec/num_steps_not_drafted": self.num_steps_not_drafted,
                  "spec/draft_s": self.phases.seconds.get("draft", 0.0), "spec/verify_s": verify_s,
                  "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
         for position, accepted in enumerate(self.accepted_per_position):
