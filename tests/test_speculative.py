@@ -98,7 +98,8 @@ def test_spec_schedule_picks_k_by_batch_size() -> None:
     assert SpecSchedule.build(3, [[2, 3], [8, 1]], disable_by_batch_size=2).steps == ((2, 3),)
     assert SpecSchedule.build(2, None, disable_by_batch_size=4).steps == ((4, 2),)   # vLLM's option
     for bad, match in (([[1, 4]], "k in 0..3"), ([[4, 2], [2, 1]], "does not follow 4"), ([[0, 1]], "batch size must be"),
-                       ([[1]], "is not \\[batch size, k\\]"), ([[1, 1.5]], "is not")):
+                       ([[1]], "is not \\[batch size, k\\]"), ([[1, 1.5]], "is not"), ([1, 2], "entry 1 is not"),
+                       ([], "is empty")):
         with pytest.raises(LabError, match=match):
             SpecSchedule.build(3, bad)
     with pytest.raises(LabError, match="disable_by_batch_size must be a positive integer"):

@@ -36,10 +36,13 @@ class SpecSchedule:
         if by_batch_size is None:
             steps = [(2 ** 62, num_spec_tokens)]
         else:
+            if not len(by_batch_size):
+                raise LabError("engine.num_spec_tokens_by_batch_size is empty",
+                               "set engine.num_spec_tokens=0 to draft nothing, or null to draft at every batch size")
             steps = []
             for entry in by_batch_size:
-                if len(entry) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry):
-                    raise LabError(f"engine.num_spec_tokens_by_batch_size entry {list(entry)} is not [batch size, k]",
+                if not hasattr(entry, "__len__") or len(entry) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry):
+                    raise LabError(f"engine.num_spec_tokens_by_batch_size entry {entry} is not [batch size, k]",
                                    _HINT)
                 max_running, k = entry
                 if max_running < 1 or not 0 <= k <= num_spec_tokens:
@@ -68,7 +71,3 @@ class SpecSchedule:
             if num_running <= max_running:
                 return k
         return 0
-
-    @property
-    def max_num_spec_tokens(self) -> int:
-        return max((k for _, k in self.steps), default=0)
