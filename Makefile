@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(NO_DEPS_PACKAGES)
 	touch $(STAMP)
 
-# The main job: the speculation crossover sweep (AR vs n-gram vs EAGLE vs DFlash, concurrency 1..32, MT-Bench
-# and GSM8K), then its analysis (outputs/multirun/<day>/crossover_<time>/crossover/). ARGS add overrides.
+# The main job: the speculation crossover sweep (AR vs suffix decoding vs EAGLE vs DFlash vs DFlash drafting by
+# batch size, concurrency 1..32, MT-Bench and GSM8K), then its analysis (outputs/multirun/<day>/crossover_<time>/crossover/). ARGS add overrides.
 run: setup
 	$(BIN)/python -m lab.run -m +experiment=crossover $(ARGS)
 

@@ -28,7 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
 from sweep_jobs import finished_jobs  # noqa: E402
 
-METHODS = {"speculative": "vanilla (suffix)", "eagle": "EAGLE", "dflash": "DFlash"}
+METHODS = {"speculative": "vanilla (suffix)", "eagle": "EAGLE", "dflash": "DFlash",
+           "dflash_adaptive": "DFlash by batch size"}
 COLUMNS = {"workload": "dataset", "method": "method", "concurrency": "conc.", "prompt_len": "mean prompt",
            "baseline_tpot_ms": "AR TPOT (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",
            "speedup_e2e": "speedup e2e", "acceptance_length": "tau", "tokens_per_forward": "tok/fwd",

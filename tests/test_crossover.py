@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from lab.spec.schedule import SpecSchedule
 from tests.conftest import compose_cfg
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "crossover.py"
@@ -91,3 +92,10 @@ def test_experiment_configs_compose(experiment: str) -> None:
     cfg = compose_cfg([f"+experiment={experiment}", "concurrency=16"])
     assert cfg.engine.measure_speedup and cfg.workload.num_prompts == 16 and cfg.workload.max_concurrency == 16
     assert compose_cfg([f"+experiment={experiment}", "concurrency=1"]).workload.num_prompts == 4
+
+
+def test_the_adaptive_dflash_engine_drafts_by_batch_size() -> None:
+    cfg = compose_cfg(["+experiment=crossover", "engine=dflash_adaptive"])
+    assert cfg.engine.name == "dflash_adaptive" and cfg.engine.proposer.checkpoint.endswith("dflash.pt")
+    schedule = SpecSchedule.build(cfg.engine.num_spec_tokens, cfg.engine.num_spec_tokens_by_batch_size)
+    assert [schedule.num_spec_tokens(n) for n in (1, 2, 3, 4, 5, 32)] == [2, 2, 1, 1, 0, 0]
