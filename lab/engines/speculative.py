@@ -4,7 +4,9 @@ drafts k tokens per running request after every step; the next step's target for
 exactly the target's (greedy: token for token; sampling: in distribution).
 
 Overrides one hook of ContinuousBatchingEngine (`select_tokens`: verify instead of sample) and appends a
-draft phase to `step`. `num_spec_tokens=0` is the plain engine. Metrics follow vLLM's spec-decode names.
+draft phase to `step`. `num_spec_tokens=0` is the plain engine. How many tokens a step drafts can follow the
+batch size (`num_spec_tokens_by_batch_size`, vLLM's `disable_by_batch_size`: lab/spec/schedule.py). Metrics
+follow vLLM's spec-decode names.
 """
 
 from __future__ import annotations
