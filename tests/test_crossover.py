@@ -60,6 +60,9 @@ def test_crossover_points(crossover: ModuleType) -> None:
     assert "below 1.0 already" in crossover.crossover_point([1, 4], [0.8, 0.5])["status"]
     assert "still above" in crossover.crossover_point([1, 4], [1.8, 1.5])["status"]
     assert crossover.crossover_point([100, 300], [1.2, 0.8], log_x=False)["crossover"] == pytest.approx(200)
+    assert not point["holds_ar_after"]
+    at_ar = crossover.crossover_point([1, 4, 16, 32], [1.2, 1.1, 0.99, 1.005])   # stops drafting from 16 on
+    assert at_ar["holds_ar_after"] and at_ar["status"] == "crosses between 4 and 16, then within 2% of AR"
 
 
 def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
