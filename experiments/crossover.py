@@ -79,7 +79,7 @@ def crossover_point(xs: list[float], speedups: list[float], log_x: bool = True) 
     if not points:
         return {"crossover": None, "status": "no data"}
     if points[0][1] < 1.0:
-        return {"crossover": None, "status": f"below 1.0 already at {points[0][0]:g}"}
+        return {"crossover": None, "never_helps": True, "status": f"below 1.0 already at {points[0][0]:g}"}
     for i, ((x0, s0), (x1, s1)) in enumerate(zip(points, points[1:])):
         if s1 < 1.0:
             t0, t1 = (math.log2(x0), math.log2(x1)) if log_x else (x0, x1)
@@ -120,7 +120,7 @@ def pays_up_to(point: dict[str, Any]) -> int | None:
     `disable_by_batch_size` (lab/spec/schedule.py); 0 = it never paid, None = it paid at every tested size."""
     if point["crossover"] is not None:
         return int(math.floor(point["crossover"]))
-    return 0 if point["status"].startswith("below") else None
+    return 0 if point.get("never_helps") else None
 
 
 def plot(rows: list[dict[str, Any]], axis: str, out: Path) -> Path:

@@ -14,6 +14,7 @@ Owns: turning the engine's settings into a batch size -> k rule, and checking th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class SpecSchedule:
         """num_spec_tokens at every batch size unless `by_batch_size` says otherwise; nothing above
         `disable_by_batch_size` running requests."""
         if by_batch_size is None:
-            steps = [(2 ** 62, num_spec_tokens)]
+            steps = [(sys.maxsize, num_spec_tokens)]   # every batch size
         else:
             if not len(by_batch_size):
                 raise LabError("engine.num_spec_tokens_by_batch_size is empty",
