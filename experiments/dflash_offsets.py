@@ -3,7 +3,9 @@ and the share of blocks whose first j drafts are all right (greedy acceptance re
 held-out answers the training run validates on (the target's own, never trained on).
 
 A block drafter must guess offset j without the j - 1 tokens before it, so its agreement falls with j; the
-acceptance length is 1 + the sum of the run shares. Several checkpoints side by side:
+acceptance length is 1 + the sum of the run shares. Top-2 / top-4 at offset j are what a tree of 2 / 4
+candidates there would catch (docs/speculative.md weighs them against the verify rows they cost). Several
+checkpoints side by side:
 
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt /tmp/dflash_new.pt
 """
@@ -51,12 +53,14 @@ def main() -> None:
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors)
     names = list(results)
-    print("| offset j | " + " | ".join(f"top-1 {i} | run >= j {i}" for i in range(len(names))) + " |")
-    print("|---|" + "---|---|" * len(names))
+    columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
+    print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"
+                                       for i in range(len(names))) + " |")
+    print("|---|" + "---|" * len(columns) * len(names))
     longest = max(sum(k.startswith("top1_at_") for k in r) for r in results.values())   # block sizes may differ
     for j in range(1, 1 + longest):
-        cells = [f"{results[n][f'top1_at_{j}']:.3f} | {results[n][f'run_at_least_{j}']:.3f}"
-                 if f"top1_at_{j}" in results[n] else " | " for n in names]
+        cells = [" | ".join(f"{results[n][f'{c}_{j}']:.3f}" for c in columns)
+                 if f"top1_at_{j}" in results[n] else " | " * (len(columns) - 1) for n in names]
         print(f"| {j} | " + " | ".join(cells) + " |")
     for i, name in enumerate(names):
         r = results[name]

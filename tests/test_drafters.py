@@ -304,6 +304,8 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     assert metrics["acceptance_length"] == pytest.approx(1 + sum(runs))
     assert runs == sorted(runs, reverse=True) and runs[0] == pytest.approx(metrics["top1_first"])
     assert 0.0 <= metrics["top1_at_2"] <= 1.0 and "top1_at_4" not in metrics   # block 4: offsets 1..3
+    for j in range(1, drafter.block_size):   # a tree's k candidates catch at least what its top-1 does
+        assert metrics[f"top1_at_{j}"] <= metrics[f"top2_at_{j}"] <= metrics[f"top4_at_{j}"] <= 1.0
 
 
 def test_block_labels_count_only_along_the_targets_greedy_path() -> None:

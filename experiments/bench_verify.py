@@ -1,0 +1,65 @@
+"""Micro-benchmark: what a verify step of n tokens costs at batch 1, in plain (one-token) steps of the same
+target: `ModelRunner.execute` on the paged cache over a context of `--context` tokens, logits for every row
+(a verify needs them all), SmolLM2-135M fp32.
+
+Speculation at batch 1 pays when tau > the cost of its verify step (plus the draft); a tree of drafts pays
+only where its extra rows cost less than the tokens they add (docs/speculative.md, session 14). The row
+counts take turns call by call, in alternating order, so a machine whose speed drifts slows all alike.
+
+    python experiments/bench_verify.py --rows 1,2,3,4,5,6,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from lab.kv_cache.block_kv import SeqSlice
+from lab.models.sources import smollm2
+from lab.runner import ModelRunner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="comma-separated tokens per verify step")
+    parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    parser.add_argument("--calls", type=int, default=40, help="timed steps per row count")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    rows = sorted({int(n) for n in args.rows.split(",")} | {1})
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
+    block_size = 16
+    block_table = list(range(1, 2 + (args.context + max(rows)) // block_size))
+    cache = runner.allocate_block_kv_cache(len(block_table) + 1, block_size)
+    generator = torch.Generator().manual_seed(0)
+    cache.begin_step([SeqSlice(block_table, 0, args.context)])
+    runner.execute(torch.randint(100, 5000, (1, args.context), generator=generator),
+                   torch.arange(args.context)[None], cache, None)                        # the prompt
+    positions = {n: torch.arange(args.context, args.context + n)[None] for n in rows}
+    times: dict[int, list[float]] = {n: [] for n in rows}
+    for call in range(args.calls + 2):
+        for n in rows if call % 2 == 0 else reversed(rows):
+            input_ids = torch.randint(100, 5000, (1, n), generator=generator)
+            # NOTE: every step rewrites the same n slots after the context: the context never grows.
+            cache.begin_step([SeqSlice(block_table, args.context, n)])
+            start = time.perf_counter()
+            runner.execute(input_ids, positions[n], cache, None)                        # (1, n, V)
+            if call >= 2:   # the first two rounds warm up
+                times[n].append(time.perf_counter() - start)
+    plain = statistics.median(times[1])
+    print(f"# bench_verify: batch 1, context {args.context}, {args.threads} thread(s), {args.calls} steps each, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("| tokens in the step | median (ms) | plain steps |")
+    print("|---:|---:|---:|")
+    for n in rows:
+        median = statistics.median(times[n])
+        print(f"| {n} | {median * 1e3:.1f} | {median / plain:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
