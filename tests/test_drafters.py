@@ -250,6 +250,40 @@ def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) ->
         assert torch.equal(blocks[0, 0, 1], blocks[0, 0, 2]) != per_position
 
 
+def test_dflash_block_inputs_of_a_shorter_block_are_the_first_positions_of_the_trained_one(
+        tiny_runner: ModelRunner) -> None:
+    """`block_inputs(block_size=B')` (the proposer's lookahead_masks): the first B' positions of the trained block's
+    inputs, per-position masks included; a block of 1 or past the trained one is refused."""
+    hidden = tiny_runner.config.hidden_size
+    drafter = DFlashDrafter(tiny_runner.config, DFlashConfig(block_size=6, feature_layers=[0, 1],
+                                                             mask_per_position=True, input_fusion=True))
+    embeds, last = torch.randn(2, 1, hidden), drafter.context_stream(torch.randn(2, 1, 2 * hidden))
+    whole = drafter.block_inputs(embeds, last)                                           # (S, 6, H)
+    for block in (2, 3, 6):
+        torch.testing.assert_close(drafter.block_inputs(embeds, last, block), whole[:, :block])
+    for block in (1, 7):
+        with pytest.raises(ValueError, match="holds 2..6 positions"):
+            drafter.block_inputs(embeds, last, block)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_dflash_drafting_a_block_cut_to_the_verified_drafts_is_lossless(trained: dict, max_num_seqs: int,
+                                                                       tiny_runner: ModelRunner) -> None:
+    """lookahead_masks=0: every drafter forward runs a block of the last token + k masks (k = 2 of a trained
+    block of 4), drafts still get accepted and the output is the target's."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    config = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=0)
+    engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32))
+    blocks = []
+    engine.proposer.drafter.register_forward_pre_hook(lambda _, args: blocks.append(args[0].shape[1]))
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    assert set(blocks) == {3} and engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    with pytest.raises(LabError, match="lookahead_masks must be >= 0"):
+        DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=-1).build(tiny_runner, 64, 4)
+
+
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_dflash_forward_of_some_rows_equals_those_rows_of_the_whole_block(tiny_runner: ModelRunner,
                                                                          num_layers: int) -> None:

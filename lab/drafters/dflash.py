@@ -145,12 +145,18 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions)
         return [layer.context_kv(context, cos, sin) for layer in self.layers]
 
-    def block_inputs(self, first_embeds: torch.Tensor, last_stream: torch.Tensor | None = None) -> torch.Tensor:
+    def block_inputs(self, first_embeds: torch.Tensor, last_stream: torch.Tensor | None = None,
+                     block_size: int | None = None) -> torch.Tensor:
         """first_embeds (S, M, H): each block's first (known) token; last_stream (S, M, H): the context stream
-        (`context_stream`) of the position before each block (read when `reads_last_context`)
+        (`context_stream`) of the position before each block (read when `reads_last_context`); block_size: B,
+        the trained block (default) or the first B of its positions (drafting needs no more than it verifies)
         -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
-        masks = self.mask_embedding.to(first_embeds.dtype).expand(s, m, self.block_size - 1, h)   # (S, M, B-1, H)
+        block_size = block_size or self.block_size
+        if not 2 <= block_size <= self.block_size:
+            raise ValueError(f"a DFlash block holds 2..{self.block_size} positions, got {block_size}")
+        mask = self.mask_embedding[:block_size - 1] if self.mask_embedding.dim() == 2 else self.mask_embedding
+        masks = mask.to(first_embeds.dtype).expand(s, m, block_size - 1, h)                      # (S, M, B-1, H)
         if self.input_fc is not None:
             start = self.input_fc(torch.cat((first_embeds, last_stream), dim=-1))                       # (S, M, H)
             blocks = torch.cat((start[:, :, None], masks + start[:, :, None]), dim=2)                    # (S, M, B, H)
@@ -158,7 +164,7 @@ class DFlashDrafter(nn.Module):
             blocks = torch.cat((first_embeds[:, :, None], masks), dim=2)                  # (S, M, B, H)
             if self.config.fuse_last_context:
                 blocks = blocks + last_stream[:, :, None]
-        return blocks.reshape(s, m * self.block_size, h)
+        return blocks.reshape(s, m * block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,

@@ -5,6 +5,10 @@ the target's features (cached per request and extended with the features of newl
 
 Owns: the per-request context K/V cache. Its entries are only ever computed from positions below the
 request's num_computed_tokens, whose tokens are final, so rejections need no rollback here.
+
+`lookahead_masks`: a step that verifies k drafts need not run the whole trained block. The block is then the
+last token + k + lookahead_masks masks (at most the trained block): the drafts change a little (fewer masks
+to attend to), the output never does (the target verifies), and the drafter's layers push fewer rows.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ class _ContextKV:
 
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
-                 half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
+                 half_weights: bool = False, gate: ConfidenceGate | None = None,
+                 lookahead_masks: int | None = None) -> None:
         super().__init__(target, drafter, draft_vocab_size, half_weights, gate)
         self.block_size = drafter.block_size
+        self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
 
     def free(self, request_id: str) -> None:
@@ -77,14 +83,14 @@ class DFlashProposer(FeatureProposer):
                 offset += num
         return contexts
 
-    def _batch_contexts(self, contexts: list[_ContextKV]
+    def _batch_contexts(self, contexts: list[_ContextKV], block: int
                         ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
-        """Per drafter layer the batch's context (k, v), each (S, Hkv, C, D), and the block's attention mask
-        (S, 1, B, C + B), or None when every request sees all C positions."""
+        """Per drafter layer the batch's context (k, v), each (S, Hkv, C, D), and the attention mask of a block
+        of `block` positions (S, 1, B, C + B), or None when every request sees all C positions."""
         if len(contexts) == 1:   # NOTE: batch 1: views of the request's cache; no padded copy, no mask
             data = contexts[0].data[:, :, None, :, :contexts[0].length]                 # (layers, 2, 1, Hkv, C, D)
             return [(layer[0], layer[1]) for layer in data], None
-        longest, block = max(c.length for c in contexts), self.block_size
+        longest = max(c.length for c in contexts)
         layers, _, num_kv_heads, _, head_dim = contexts[0].data.shape
         padded = contexts[0].data.new_zeros(layers, 2, len(contexts), num_kv_heads, longest, head_dim)
         sees = torch.zeros(len(contexts), 1, block, longest + block, dtype=torch.bool, device=self.device)
@@ -102,14 +108,17 @@ class DFlashProposer(FeatureProposer):
         if k < 1 or not pairs:
             return {}
         active = [r for r, _ in pairs]
-        num_seqs, block = len(active), self.block_size
+        num_seqs = len(active)
+        block = self.block_size                                                         # B: the trained block
+        if self.lookahead_masks is not None:
+            block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        context_kv, sees = self._batch_contexts(contexts)
+        context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
         last_stream = None
         if self.drafter.reads_last_context:   # NOTE: the token before each block: its context stream, already projected
             last_stream = torch.stack([c.last_stream for c in contexts])[:, None]                # (S, 1, H)
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream)  # (S, B, H)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream, block)  # (S, B, H)
         positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
                      + torch.arange(block, device=self.device))                                # (S, B)
         hidden = self.drafter(embeds, positions, context_kv, sees, rows=slice(1, k + 1))              # (S, k, H)
@@ -136,7 +145,8 @@ class DFlashProposerConfig:
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
     first N token ids only (0: all); half_weights: stream fp16 copies of the weights in few-row products;
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
-    confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py)."""
+    confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
+    lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
     seed: int = 0
@@ -145,9 +155,13 @@ class DFlashProposerConfig:
     half_weights: bool = True
     min_confidence: float = 0.0
     always_draft: int = 0
+    lookahead_masks: int | None = None
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
+        if self.lookahead_masks is not None and self.lookahead_masks < 0:
+            raise LabError(f"engine.proposer.lookahead_masks must be >= 0 or null, got {self.lookahead_masks}",
+                           "set it to 0 (a block of the k drafts alone), 1-2, or null (the trained block)")
         fresh = None
         if self.checkpoint is None:
             try:
@@ -161,4 +175,4 @@ class DFlashProposerConfig:
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
-                              ConfidenceGate(self.min_confidence, self.always_draft))
+                              ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks)
