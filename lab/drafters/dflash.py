@@ -152,7 +152,7 @@ class DFlashDrafter(nn.Module):
         the trained block (default) or the first B of its positions (drafting needs no more than it verifies)
         -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
-        block_size = block_size or self.block_size
+        block_size = self.block_size if block_size is None else block_size
         if not 2 <= block_size <= self.block_size:
             raise ValueError(f"a DFlash block holds 2..{self.block_size} positions, got {block_size}")
         mask = self.mask_embedding[:block_size - 1] if self.mask_embedding.dim() == 2 else self.mask_embedding

@@ -158,11 +158,11 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     if per_offset:   # top-1 at every offset j, and the share of blocks whose first j drafts are all right
         # NOTE: top-k (k = 2, 4) is what a tree of k candidates at offset j would catch.
         ranks = (logits > logits.gather(1, targets[:, None])).sum(-1)             # (P,): 0 = the top-1
-        for k in (2, 4):
+        for width in (2, 4):
             hit = torch.zeros_like(labels, dtype=torch.bool)
-            hit[keep] = ranks < k
+            hit[keep] = ranks < width
             for j in range(block - 1):
-                metrics[f"top{k}_at_{j + 1}"] = float(hit[..., j][keep[..., j]].float().mean())
+                metrics[f"top{width}_at_{j + 1}"] = float(hit[..., j][keep[..., j]].float().mean())
         for j in range(block - 1):
             metrics[f"top1_at_{j + 1}"] = float(correct[..., j][keep[..., j]].float().mean())
             metrics[f"run_at_least_{j + 1}"] = float((accepted >= j + 1).float().mean())
