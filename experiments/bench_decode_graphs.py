@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run, graphs in `eager` mode (no capture)")
+    parser.add_argument("--init-range", type=float, default=0.02,
+                        help="random init's std; 0.2 separates the logits enough that fp32 greedy tokens can be compared")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -65,7 +67,7 @@ def main() -> None:
     rows = []
     print(f"{device_name}, torch {torch.__version__}, {args.dtype}, prompt {args.prompt_len}, {args.steps} timed steps")
     for shape in args.shapes.split(","):
-        source = tiny(seed=0, with_tokenizer=False, max_position_embeddings=4096, initializer_range=0.02,
+        source = tiny(seed=0, with_tokenizer=False, max_position_embeddings=4096, initializer_range=args.init_range,
                       **SHAPES[shape])
         runner = ModelRunner(source, dtype=args.dtype, device=args.device)
         for batch in [int(b) for b in args.batches.split(",")]:

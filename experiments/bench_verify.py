@@ -7,6 +7,10 @@ only where its extra rows cost less than the tokens they add (docs/speculative.m
 counts take turns call by call, in alternating order, so a machine whose speed drifts slows all alike.
 
     python experiments/bench_verify.py --rows 1,2,3,4,5,6,8
+    python experiments/bench_verify.py --model llama-1b --device cuda --dtype bfloat16 --rows 1,2,4,8,16,32,64
+
+`--model smollm2` / `llama-1b` are random-init targets of those shapes (bench_decode_graphs.SHAPES): no weights
+travel to a GPU machine, and a step's cost does not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import time
 import torch
 
 from lab.kv_cache.block_kv import SeqSlice
-from lab.models.sources import smollm2
+from bench_decode_graphs import SHAPES  # NOTE: run as a script, experiments/ is on sys.path
+from lab.models.sources import smollm2, tiny
 from lab.runner import ModelRunner
 
 
@@ -29,10 +34,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     parser.add_argument("--calls", type=int, default=40, help="timed steps per row count")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default="real", choices=["real", *SHAPES],
+                        help="real: SmolLM2-135M's weights; else a random-init target of that shape")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     rows = sorted({int(n) for n in args.rows.split(",")} | {1})
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
+    source = (smollm2() if args.model == "real" else
+              tiny(seed=0, with_tokenizer=False, max_position_embeddings=4096, initializer_range=0.02,
+                   **SHAPES[args.model]))
+    runner = ModelRunner(source, dtype=args.dtype, device=args.device)
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     block_size = 16
     block_table = list(range(1, 2 + (args.context + max(rows)) // block_size))
     cache = runner.allocate_block_kv_cache(len(block_table) + 1, block_size)
@@ -47,13 +60,17 @@ def main() -> None:
             input_ids = torch.randint(100, 5000, (1, n), generator=generator)
             # NOTE: every step rewrites the same n slots after the context: the context never grows.
             cache.begin_step([SeqSlice(block_table, args.context, n)])
+            sync()
             start = time.perf_counter()
             runner.execute(input_ids, positions[n], cache, None)                        # (1, n, V)
+            sync()
             if call >= 2:   # the first two rounds warm up
                 times[n].append(time.perf_counter() - start)
     plain = statistics.median(times[1])
-    print(f"# bench_verify: batch 1, context {args.context}, {args.threads} thread(s), {args.calls} steps each, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    where = (torch.cuda.get_device_name() if runner.device.type == "cuda"
+             else f"CPU, {args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
+    print(f"# bench_verify: {args.model} ({args.dtype}) on {where}, batch 1, context {args.context}, "
+          f"{args.calls} steps each")
     print("| tokens in the step | median (ms) | plain steps |")
     print("|---:|---:|---:|")
     for n in rows:

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check (issue 6), one device call of a few minutes: the `gpu`-marked tests (CUDA graphs replay to
-# the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling), then
-# experiments/bench_decode_graphs.py, whose markdown table goes into docs/profiling.md.
+# The GPU check (issues 6 and 8), one device call of a few minutes: the `gpu`-marked tests (CUDA graphs replay
+# to the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling, drafter training on
+# the GPU), then three benchmarks on random-init targets (no weights travel): experiments/bench_decode_graphs.py
+# (its table goes into docs/profiling.md), experiments/bench_verify.py (what a verify step of n tokens costs, for
+# the tree-drafting analysis) and experiments/bench_train.py (drafter training speed); those go into
+# docs/speculative.md.
 #   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs and the table's JSON go to $OUT (the device tool's return folder), else outputs/gpu_check.
@@ -18,8 +21,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 WANDB_MOD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 status=0
-timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graphs.py tests/test_profiling.py \
-  tests/test_logging_and_plots.py 2>&1 | tee "$out/gpu_tests.log" || status=1
-timeout 200 python3 experiments/bench_decode_graphs.py --out "$out/decode_graphs.json" 2>&1 \
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --continue-on-collection-errors tests/test_cuda_graphs.py tests/test_profiling.py \
+  tests/test_logging_and_plots.py tests/test_drafters.py 2>&1 | tee "$out/gpu_tests.log" || status=1
+timeout 150 python3 experiments/bench_decode_graphs.py --out "$out/decode_graphs.json" 2>&1 \
   | tee "$out/decode_graphs.log" || status=1
+for model in smollm2 llama-1b; do
+  timeout 45 python3 experiments/bench_verify.py --model $model --device cuda --dtype bfloat16 \
+    --rows 1,2,3,4,6,8,16,32,64 --calls 30 2>&1 | tee -a "$out/verify.log" || status=1
+done
+timeout 100 python3 experiments/bench_train.py --device cuda --kinds dflash,eagle --batches 4,16,64 \
+  --out "$out/train.json" 2>&1 | tee "$out/train.log" || status=1
 exit $status

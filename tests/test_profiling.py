@@ -56,7 +56,8 @@ def test_ranges_are_no_ops_unless_enabled() -> None:
 
 @pytest.mark.gpu
 def test_torch_profiler_on_cuda_reports_kernels_and_idle_gaps(tmp_path: Path) -> None:
-    cfg = compose_cfg(["model=tiny", "model.device=cuda", "workload.num_prompts=2", "workload.input_len=16",
+    cfg = compose_cfg(["model=tiny", "model.device=cuda", "+model.source.with_tokenizer=false",  # NOTE: no GGUF there
+                       "+model.source.vocab_size=128", "workload.num_prompts=2", "workload.input_len=16",
                        "workload.output_len=6", "profiler=torch", "profiler.wait=0", "profiler.active=5",
                        "metrics.utilization=false"])
     results = run(cfg, tmp_path)
