@@ -30,6 +30,7 @@ from torch import nn
 from lab.engines.base import Engine
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.engines.hf_cb import HFCBEngine
+from lab.engines.speculative import SpeculativeEngine
 from lab.engines.static import StaticBatchEngine
 from lab.kv_cache import PagedKVCacheConfig
 from lab.metrics.summary import summarize
@@ -41,6 +42,7 @@ from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
+from lab.spec.proposer import ProposerConfig
 from lab.workloads import RandomWorkload
 from lab.workloads.base import SamplingDefaults
 
@@ -100,11 +102,15 @@ def flops_per_token(runner: ModelRunner) -> int:
 
 
 def filled_engine(runner: ModelRunner, batch: int, prompt_len: int, attention: str = "native", max_tokens: int = 64,
-                  cuda_graphs: CudaGraphConfig | None = None) -> ContinuousBatchingEngine:
-    """A cb_paged engine with `batch` requests of `prompt_len` random tokens, all past their prefill."""
-    engine = ContinuousBatchingEngine(runner, SchedulerConfig(batch, 2048), PagedKVCacheConfig(
-        attention=attention, kv_cache_memory_mb=None, num_blocks=batch * -(-(prompt_len + max_tokens) // 16) + 8),
-        cuda_graphs=cuda_graphs)
+                  cuda_graphs: CudaGraphConfig | None = None, proposer: ProposerConfig | None = None,
+                  num_spec_tokens: int = 0) -> ContinuousBatchingEngine:
+    """A cb_paged engine (with `proposer`, a speculative one drafting `num_spec_tokens`) with `batch` requests
+    of `prompt_len` random tokens, all past their prefill."""
+    scheduler = SchedulerConfig(batch, 2048)
+    kv_cache = PagedKVCacheConfig(attention=attention, kv_cache_memory_mb=None,
+                                  num_blocks=batch * -(-(prompt_len + max_tokens + num_spec_tokens) // 16) + 8)
+    engine = (ContinuousBatchingEngine(runner, scheduler, kv_cache, cuda_graphs=cuda_graphs) if proposer is None else
+              SpeculativeEngine(runner, proposer, num_spec_tokens, scheduler, kv_cache, cuda_graphs=cuda_graphs))
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, runner.vocab_size - 1, (prompt_len,), generator=generator).tolist()

@@ -4,6 +4,12 @@ and of a ~1B Llama shape (where they matter less). scripts/gpu_check.sh runs it.
 
     python experiments/bench_decode_graphs.py                       # both shapes, batches 1,4,16,64, bf16
     python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,8 --steps 32
+    python experiments/bench_decode_graphs.py --spec-tokens 7       # speculative: every step verifies 1 + 7 tokens
+
+With `--spec-tokens k` the engine is speculative with an untrained DFlash drafter of the target's shape (one
+layer, block k + 1): against a random target nearly every draft is rejected, so every timed step is a verify of
+1 + k tokens per request plus one drafter forward, the cost side of speculation (acceptance needs real weights;
+docs/speculative.md has the CPU's). The table then also gives the draft's ms per step.
 
 Each engine holds `batch` requests of `--prompt-len` random tokens, all past their prefill; the timed
 window is `--steps` whole engine steps (schedule, inputs, forward or graph replay, sampling, bookkeeping)
@@ -25,6 +31,7 @@ from lab.engines.continuous import ContinuousBatchingEngine
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
+from lab.spec.dflash import DFlashProposerConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -40,10 +47,13 @@ def time_steps(engine: ContinuousBatchingEngine, steps: int) -> float:
     for _ in range(3):
         engine.step()
     sync()
+    graphs = engine.stats().get("cuda_graph/num_graphs", 0)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
+    if engine.stats().get("cuda_graph/num_graphs", 0) != graphs:
+        print(f"  WARNING: {engine.name} captured a graph inside the timed window: its mean includes the capture")
     return 1000 * (time.perf_counter() - start) / steps
 
 
@@ -51,12 +61,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="smollm2,llama-1b")
     parser.add_argument("--batches", default="1,4,16,64")
-    parser.add_argument("--prompt-len", type=int, default=128)
+    # NOTE: 160 = 10 blocks of 16: the tables stay in the 16-column bucket for 96 tokens, so no graph is captured
+    # inside the timed window (a capture there, ~0.1-0.3 s, would add milliseconds to every step's mean).
+    parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run, graphs in `eager` mode (no capture)")
     parser.add_argument("--init-range", type=float, default=0.02,
                         help="random init's std; 0.2 separates the logits enough that fp32 greedy tokens can be compared")
+    parser.add_argument("--spec-tokens", type=int, default=0, help="k > 0: speculative verify steps of 1 + k tokens")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -73,26 +86,35 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             ms, tokens = {}, {}
             for mode in ("off", graph_mode):
-                engine = filled_engine(runner, batch, args.prompt_len, max_tokens=args.steps + 8,
-                                       cuda_graphs=CudaGraphConfig(mode=mode))
+                proposer = (DFlashProposerConfig(checkpoint=None, drafter={"block_size": args.spec_tokens + 1})
+                             if args.spec_tokens else None)
+                # NOTE: room for k drafts to the end (a request near max_tokens drafts fewer: another graph).
+                engine = filled_engine(runner, batch, args.prompt_len, max_tokens=args.steps + 8 + args.spec_tokens,
+                                       cuda_graphs=CudaGraphConfig(mode=mode), proposer=proposer,
+                                       num_spec_tokens=args.spec_tokens)
+                draft_s = engine.stats().get("spec/draft_s", 0.0)
                 ms[mode] = time_steps(engine, args.steps)
+                draft_ms = 1000 * (engine.stats().get("spec/draft_s", 0.0) - draft_s) / (args.steps + 3)
                 tokens[mode] = [list(r.output_token_ids) for r in engine.scheduler.running]
                 graphs = engine.stats().get("cuda_graph/num_graphs", 0)
                 engine.abort_running("benchmark over")
             same = sum(a == b for a, b in zip(tokens["off"], tokens[graph_mode])) / batch
-            rows.append({"shape": shape, "batch": batch, "eager_ms": ms["off"], "graph_ms": ms[graph_mode],
+            rows.append({"shape": shape, "batch": batch, "spec_tokens": args.spec_tokens, "draft_ms": draft_ms,
+                         "eager_ms": ms["off"], "graph_ms": ms[graph_mode],
                          "speedup": ms["off"] / ms[graph_mode], "graph_tok_s": batch * 1000 / ms[graph_mode],
                          "num_graphs": graphs, "same_tokens": same})
-            print(f"  {shape} batch {batch}: eager {ms['off']:.2f} ms, graphs {ms[graph_mode]:.2f} ms/step "
-                  f"({ms['off'] / ms[graph_mode]:.2f}x), identical sequences {same:.0%}", flush=True)
+            print(f"  {shape} batch {batch} k {args.spec_tokens}: eager {ms['off']:.2f} ms, graphs {ms[graph_mode]:.2f} "
+                  f"ms/step ({ms['off'] / ms[graph_mode]:.2f}x; draft {draft_ms:.2f} ms), identical sequences {same:.0%}",
+                  flush=True)
         del runner
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| shape | batch | eager ms/step | graph ms/step | speedup | graph tok/s | same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| shape | batch | drafts k | eager ms/step | graph ms/step | speedup | draft ms/step (graphs) "
+          "| same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} | {r['speedup']:.2f}x "
-              f"| {r['graph_tok_s']:,.0f} | {r['same_tokens']:.0%} |")
+        print(f"| {r['shape']} | {r['batch']} | {r['spec_tokens']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
+              f"| {r['speedup']:.2f}x | {r['draft_ms']:.2f} | {r['same_tokens']:.0%} |")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check (issues 6 and 8), one device call of a few minutes: the `gpu`-marked tests (CUDA graphs replay
 # to the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling, drafter training on
-# the GPU), then three benchmarks on random-init targets (no weights travel): experiments/bench_decode_graphs.py
-# (its table goes into docs/profiling.md), experiments/bench_verify.py (what a verify step of n tokens costs, for
-# the tree-drafting analysis) and experiments/bench_train.py (drafter training speed); those go into
-# docs/speculative.md.
+# the GPU), then benchmarks on random-init targets (no weights travel): experiments/bench_decode_graphs.py
+# (plain decode steps, then speculative verify steps; its tables go into docs/profiling.md),
+# experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting analysis) and
+# experiments/bench_train.py (drafter training speed); those go into docs/speculative.md.
 #   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs and the table's JSON go to $OUT (the device tool's return folder), else outputs/gpu_check.
@@ -25,6 +25,10 @@ timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --continue-on-co
   tests/test_logging_and_plots.py tests/test_drafters.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 timeout 150 python3 experiments/bench_decode_graphs.py --out "$out/decode_graphs.json" 2>&1 \
   | tee "$out/decode_graphs.log" || status=1
+for k in 2 7; do   # speculative verify steps (1 + k tokens a request) and the drafter's forward, graphed or not
+  timeout 90 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,16 --spec-tokens $k \
+    --out "$out/verify_graphs_k$k.json" 2>&1 | tee -a "$out/verify_graphs.log" || status=1
+done
 for model in smollm2 llama-1b; do
   timeout 45 python3 experiments/bench_verify.py --model $model --device cuda --dtype bfloat16 \
     --rows 1,2,3,4,6,8,16,32,64 --calls 30 2>&1 | tee -a "$out/verify.log" || status=1

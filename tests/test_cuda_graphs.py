@@ -1,6 +1,7 @@
-"""Fixed-shape decode steps (the CUDA-graph path, lab/runner/cuda_graphs.py): on CPU in `eager` mode, the
-padded, bucketed, static-attention step gives every request `ar`'s greedy tokens; on CUDA (the `gpu`
-marker) the captured graphs replay to the same tokens as the eager engine."""
+"""Fixed-shape decode and verify steps (the CUDA-graph path, lab/runner/cuda_graphs.py): on CPU in `eager`
+mode, the padded, bucketed, static-attention step gives every request `ar`'s greedy tokens, plain and
+speculative (1 + k tokens a request, padded where a request has fewer drafts, features for the drafters that
+read them); on CUDA (the `gpu` marker) the captured graphs replay to the same tokens as the eager engine."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig, DecodeGraphs
 from lab.sched import SchedulerConfig
+from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.draft_model import DraftModelProposerConfig
+from lab.spec.eagle import EagleProposerConfig
+from lab.spec.ngram_config import NgramProposerConfig
+from lab.engines.speculative import SpeculativeEngine
 from tests.conftest import compose_cfg
 from tests.helpers import make_requests
 from tests.test_continuous_batching import assert_matches_ar, assert_nothing_held, random_prompts
@@ -69,11 +75,83 @@ def test_padding_rows_write_only_the_scratch_block(tiny_runner: ModelRunner) -> 
     assert view.block_tables[0].tolist() == [2, 4, 6, 6] and view.block_tables[1:].eq(6).all()
     before = [k.clone() for k in cache.k]
     graphs = DecodeGraphs(tiny_runner.model, cache, CudaGraphConfig(mode="eager"), 4, 64)
-    logits = graphs.run(torch.tensor([[7]]), cache.index)
-    assert logits.shape == (1, tiny_runner.vocab_size)
+    logits, features = graphs.run(torch.tensor([[7]]), cache.index)
+    assert logits.shape == (1, tiny_runner.vocab_size) and features is None
     for layer, (old, new) in enumerate(zip(before, cache.k)):
         changed = (old != new).any(dim=(0, 2, 3)).nonzero().flatten().tolist()   # blocks written
         assert set(changed) <= {4, 6}, f"layer {layer} wrote blocks {changed}"
+
+
+def test_a_verify_step_in_the_static_view_gives_the_eager_logits_and_features(tiny_runner: ModelRunner) -> None:
+    """Two requests past their prompts verify 3 and 1 tokens in a 4-row view of 3-token queries: each token's
+    logits and features are the eager varlen forward's; the padding (2 queries of the second row, rows 2-3)
+    writes only the scratch block."""
+    cache = tiny_runner.allocate_block_kv_cache(8, 4, scratch_block=True)
+    tables, contexts = [[0, 1, 2], [3, 4]], [5, 6]
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(3, 128, (1, sum(contexts)), generator=generator)
+    cache.begin_step([SeqSlice(t, 0, n) for t, n in zip(tables, contexts)])
+    tiny_runner.execute(prompt_ids, cache.index.positions[None], cache, None)                  # the prompts
+    step = [SeqSlice(tables[0], contexts[0], 3), SeqSlice(tables[1], contexts[1], 1)]
+    input_ids = torch.randint(3, 128, (1, 4), generator=generator)
+    layers = (0, -1)
+    graphs = DecodeGraphs(tiny_runner.model, cache, CudaGraphConfig(mode="eager", capture_sizes=(4,)), 4, 64)
+    graphs.configure(3, layers)
+    cache.begin_step(step, prepare_backend=False)
+    before = [k.clone() for k in cache.k]
+    logits, features = graphs.run(input_ids, cache.index)                                         # (4, V), (4, F)
+    view = graphs._graphs[(4, 4, 3)].view
+    assert view.token_rows(cache.index).tolist() == [0, 1, 2, 3]
+    assert view.slot_mapping.tolist()[:6] == [5, 6, 7, 18, 32, 32] and set(view.slot_mapping.tolist()[6:]) == {32}
+    assert view.positions.tolist()[0][:4] == [5, 6, 7, 6]
+    for layer, (old, new) in enumerate(zip(before, cache.k)):
+        changed = (old != new).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
+        assert set(changed) <= {1, 4, 8}, f"layer {layer} wrote blocks {changed}"   # row 0, row 1, the scratch block
+    cache.begin_step(step)
+    eager_logits, eager_features = tiny_runner.execute_with_features(input_ids, cache.index.positions[None], cache,
+                                                                     torch.arange(4), layers)
+    torch.testing.assert_close(logits, eager_logits[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(features, eager_features[0], rtol=1e-4, atol=1e-4)
+
+
+def _spec_proposers(tiny_source) -> dict:
+    return {"draft_equals_target": DraftModelProposerConfig(source=tiny_source),
+            "ngram": NgramProposerConfig(min_n=1, max_n=3),
+            "eagle": EagleProposerConfig(checkpoint=None),
+            "dflash": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4})}
+
+
+def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: int) -> SpeculativeEngine:
+    return SpeculativeEngine(runner, proposer, num_spec_tokens=3,
+                             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+                             kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=200, kv_cache_memory_mb=None),
+                             cuda_graphs=CudaGraphConfig(mode=mode, capture_sizes=(1, 2, 4)))
+
+
+@pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
+                                                   ("ngram", 4), ("eagle", 1), ("dflash", 4)])
+def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: int, tiny_source,
+                                                 tiny_runner: ModelRunner) -> None:
+    prompts = [p * 2 for p in random_prompts(6, tiny_runner.vocab_size, seed=5, max_len=12)]   # repeats: n-gram drafts
+    references = [r.output_token_ids for r in AREngine(tiny_runner).run(
+        make_requests(prompts, MAX_TOKENS, ignore_eos=True)).requests]
+    engine = spec_graph_engine(tiny_runner, _spec_proposers(tiny_source)[proposer], "eager", max_num_seqs)
+    requests = make_requests(prompts, MAX_TOKENS, ignore_eos=True)
+    for i, request in enumerate(requests):
+        request.arrival_time = 0.003 * i
+    result = engine.run(requests)
+    assert [r.output_token_ids for r in result.requests] == references, f"{proposer} in graphs changed the output"
+    stats = engine.stats()
+    query_lens = {key[2] for key in engine.decode_graphs._graphs}
+    assert max(query_lens) > 1 and stats["spec_decode_num_drafts"] > 0, (query_lens, stats)
+    assert stats["cuda_graph/replays"] > 0
+    if proposer == "draft_equals_target":
+        assert stats["spec_decode_acceptance_rate"] == pytest.approx(100.0)
+    if proposer == "ngram":
+        assert stats["cuda_graph/padded_row_share"] > 0   # requests with fewer drafts than the longest
+    if proposer == "dflash":
+        assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
+    assert engine.kv_manager.num_held_blocks == 0
 
 
 def test_bad_graph_settings_name_the_fix(tiny_runner: ModelRunner) -> None:
@@ -83,6 +161,10 @@ def test_bad_graph_settings_name_the_fix(tiny_runner: ModelRunner) -> None:
         graph_engine(tiny_runner, "paged", "always")
     with pytest.raises(LabError, match="no size >= 1"):
         graph_engine(tiny_runner, "paged", "eager", sizes=(0,))
+    engine = graph_engine(tiny_runner, "paged", "eager")
+    engine.run(make_requests(random_prompts(1, tiny_runner.vocab_size, seed=1, max_len=8), 3, ignore_eos=True))
+    with pytest.raises(LabError, match="configure after graphs were captured"):
+        engine.decode_graphs.configure(4)
     cache = tiny_runner.allocate_block_kv_cache(4, 4)
     with pytest.raises(LabError, match="scratch block"):
         StaticDecodeView(cache, 2, 2)
@@ -94,6 +176,10 @@ def test_hydra_engine_has_graphs_off_on_cpu_by_default(tiny_runner: ModelRunner,
     assert instantiate(cfg.engine, runner=tiny_runner).decode_graphs is None
     cfg = compose_cfg(["model=tiny", "engine=cb_slots", "engine.cuda_graphs.mode=eager", f"hydra.run.dir={tmp_path}"])
     assert instantiate(cfg.engine, runner=tiny_runner).decode_graphs.mode == "eager"
+    cfg = compose_cfg(["model=tiny", "engine=speculative", "engine.cuda_graphs.mode=eager", f"hydra.run.dir={tmp_path}"])
+    engine = instantiate(cfg.engine, runner=tiny_runner)
+    assert engine.decode_graphs.max_query_len == 1 + cfg.engine.num_spec_tokens
+    assert engine.without_speculation().decode_graphs.max_query_len == 1
 
 
 @pytest.mark.gpu
@@ -109,4 +195,23 @@ def test_cuda_graph_replays_give_the_eager_engines_tokens(kv: str) -> None:
         assert_nothing_held(engine)
     stats = engine.stats()
     assert stats["cuda_graph/replays"] > 0 and stats["cuda_graph/capture_s"] > 0
+    assert outputs["cuda"] == outputs["off"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("proposer", ["ngram", "dflash"])
+def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) -> None:
+    source = tiny(seed=0, vocab_size=128, with_tokenizer=False)
+    runner = ModelRunner(source, dtype="float32", device="cuda")
+    prompts = [p * 2 for p in random_prompts(6, runner.vocab_size, seed=5, max_len=12)]
+    outputs = {}
+    for mode in ("off", "cuda"):
+        engine = spec_graph_engine(runner, _spec_proposers(source)[proposer], mode, 4)
+        outputs[mode] = [r.output_token_ids for r in engine.run(
+            make_requests(prompts, MAX_TOKENS, ignore_eos=True)).requests]
+        assert engine.kv_manager.num_held_blocks == 0
+    stats = engine.stats()
+    assert stats["cuda_graph/replays"] > 0 and max(key[2] for key in engine.decode_graphs._graphs) > 1
+    if proposer == "dflash":   # NOTE: its block forward replays graphs of its own (lab/spec/dflash_graphs.py)
+        assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
     assert outputs["cuda"] == outputs["off"]

@@ -24,6 +24,7 @@ from lab.kv_cache.base import NoCache
 from lab.models.sources import default_cache_dir, tiny
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
 from lab.spec.dflash import DFlashProposerConfig
@@ -217,6 +218,36 @@ def test_drafters_catch_up_after_steps_the_batch_size_left_undrafted(trained: di
     stats = engine.stats()
     assert stats["spec/num_steps_not_drafted"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec/draft_unready_requests"] == 0
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+@pytest.mark.parametrize("min_confidence", [0.0, 0.3])
+def test_dflash_blocks_drafted_in_fixed_shape_graphs_are_the_eager_drafts(trained: dict, max_num_seqs: int,
+                                                                           min_confidence: float,
+                                                                           tiny_runner: ModelRunner) -> None:
+    """engine.cuda_graphs.mode=eager (CUDA graphs' fixed shapes, without capture): the target's verify steps and
+    DFlash's block forward run on padded static buffers. The drafts are the eager engine's (the same acceptance,
+    position by position, with and without the confidence gate) and the output is `ar`'s."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    stats = {}
+    for mode in ("off", "eager"):
+        proposer = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), min_confidence=min_confidence,
+                                        always_draft=int(min_confidence > 0))
+        engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),
+                                   kv_cache=KV, cuda_graphs=CudaGraphConfig(mode=mode, capture_sizes=(1, 2, 4)))
+        requests = make_requests(prompts, 24, ignore_eos=True)
+        for i, request in enumerate(requests):
+            request.arrival_time = 0.002 * i
+        assert [r.output_token_ids for r in engine.run(requests).requests] == expected, mode
+        stats[mode] = engine.stats()
+    assert stats["eager"]["spec/draft_graph_replays"] == stats["eager"]["spec/draft_forwards"] > 0
+    assert "spec/draft_graph_replays" not in stats["off"]
+    for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                *(f"spec_decode_per_position_acceptance_rate/{i}" for i in range(3))):
+        assert stats["eager"][key] == stats["off"][key], key
+    assert stats["eager"]["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_runner: ModelRunner) -> None:

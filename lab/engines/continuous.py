@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.engines.base import Engine
+from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig, SeqSlice
 from lab.profiling.ranges import profile_range
 from lab.request import Request
@@ -38,6 +39,7 @@ class StepBatch:
     sample_rows: torch.Tensor                     # (R',) rows whose logits are sampled / verified
     samplers: list[Request]                       # the requests those rows belong to, in order
     layout: list[tuple[Request, int, int]]        # (request, first position, token count), in row order
+    in_graph: bool = False                        # a decode / verify step run by DecodeGraphs
 
 
 class ContinuousBatchingEngine(Engine):
@@ -53,7 +55,8 @@ class ContinuousBatchingEngine(Engine):
         self.kv_cache = runner.allocate_block_kv_cache(self.kv_manager.num_blocks, self.kv_manager.block_size,
                                                        kv_cache.attention, scratch_block=graph_mode != "off")
         self.scheduler = Scheduler(scheduler, self.kv_manager, runner.eos_token_ids)
-        # NOTE: pure-decode steps replay a CUDA graph (lab/runner/cuda_graphs.py); every other step runs eagerly.
+        # NOTE: pure-decode (and, configured, verify) steps replay a CUDA graph (lab/runner/cuda_graphs.py);
+        # every other step runs eagerly.
         self.decode_graphs = None if graph_mode == "off" else DecodeGraphs(
             runner.model, self.kv_cache, cuda_graphs, scheduler.max_num_seqs, runner.max_model_len)
         self._reset_counters()
@@ -110,21 +113,38 @@ class ContinuousBatchingEngine(Engine):
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
         phase = _phase_name(out)
-        graph = (self.decode_graphs is not None and phase == "decode" and not out.scheduled_spec_token_ids
-                 and self.decode_graphs.fits(len(out.scheduled)))
+        max_query = 1 + max((len(spec) for spec in out.scheduled_spec_token_ids.values()), default=0)
+        graph = (self.decode_graphs is not None and phase == "decode"
+                 and self.decode_graphs.fits(len(out.scheduled), max_query))
         with profile_range("prepare_inputs"):
             batch = self._prepare_inputs(out, prepare_attention=not graph)
+        batch.in_graph = graph
         with self.phases.phase(phase, num_tokens=batch.input_ids.shape[1]):
-            if graph:
-                logits = self.decode_graphs.run(batch.input_ids, self.kv_cache.index)          # (R, V)
-            else:
-                logits = self.forward(batch)                                                  # (R', V)
+            logits = self.forward(batch)                                                      # (R', V)
             with profile_range("sample"):
                 return self.select_tokens(out, batch.samplers, logits) if batch.samplers else {}
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """The target forward over the step's flat batch -> logits (R', V) at the rows to sample."""
-        return self.runner.execute(batch.input_ids, batch.positions, self.kv_cache, logits_index=batch.sample_rows)[0]
+        return self.target_forward(batch)[0]
+
+    def target_forward(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits (R', V) at the rows to sample, the features (N, F) of every token at `feature_layers` or
+        None), by graph replay or eagerly."""
+        if batch.in_graph:
+            # NOTE: a decode or verify step samples every token it runs, so its logits are the sample rows'.
+            logits, features = self.decode_graphs.run(batch.input_ids, self.kv_cache.index)
+            if feature_layers and features is None:
+                raise LabError("the decode graphs return no target features",
+                               "call decode_graphs.configure(..., feature_layers) before the first step")
+            return logits, features
+        if feature_layers:
+            logits, features = self.runner.execute_with_features(batch.input_ids, batch.positions, self.kv_cache,
+                                                                 batch.sample_rows, feature_layers)
+            return logits[0], features[0]
+        return self.runner.execute(batch.input_ids, batch.positions, self.kv_cache,
+                                   logits_index=batch.sample_rows)[0], None
 
     def _prepare_inputs(self, out: SchedulerOutput, prepare_attention: bool = True) -> StepBatch:
         """The step's flat batch; builds its KV index (block tables, slot mapping) in the cache, and the

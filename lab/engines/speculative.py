@@ -21,6 +21,7 @@ from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
 from lab.request import Request
 from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.proposer import Draft, ProposerConfig
@@ -32,14 +33,14 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
-                 disable_by_batch_size: int | None = None) -> None:
-        self._configs = (proposer, scheduler, kv_cache)
+                 disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None) -> None:
+        self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         kv_cache = kv_cache or PagedKVCacheConfig()
         if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
             # NOTE: a prompt block served from the prefix cache is never run through the target, so its
             # features would be missing; feature-reading drafters (EAGLE, DFlash) need every position.
             kv_cache = dataclasses.replace(kv_cache, enable_prefix_caching=False)
-        super().__init__(runner, scheduler, kv_cache, name or "speculative", seed)
+        super().__init__(runner, scheduler, kv_cache, name or "speculative", seed, cuda_graphs)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if speedup_rounds < 1:
             raise LabError(f"speedup_rounds must be >= 1, got {speedup_rounds}",
@@ -50,14 +51,22 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
+        if self.decode_graphs is not None and num_spec_tokens:
+            # NOTE: verify steps (1 + up to k tokens per request) replay graphs too, which also return the
+            # features a feature-reading drafter observes.
+            self.decode_graphs.configure(1 + num_spec_tokens, tuple(self.proposer.feature_layers))
+            if hasattr(self.proposer, "use_graphs"):   # NOTE: the drafter's forward too (DFlash)
+                self.proposer.use_graphs(self.decode_graphs.mode, self.decode_graphs.capture_sizes,
+                                         runner.max_model_len)
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
         self._reset_spec_counters()
 
     def without_speculation(self) -> "SpeculativeEngine":
         """The same engine with speculation off (num_spec_tokens=0): the baseline for speedups."""
-        proposer, scheduler, kv_cache = self._configs
-        return SpeculativeEngine(self.runner, proposer, 0, scheduler, kv_cache, f"{self.name}_k0", self.seed)
+        proposer, scheduler, kv_cache, cuda_graphs = self._configs
+        return SpeculativeEngine(self.runner, proposer, 0, scheduler, kv_cache, f"{self.name}_k0", self.seed,
+                                 cuda_graphs=cuda_graphs)
 
     def _reset_spec_counters(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -78,10 +87,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         if not self.proposer.feature_layers or not self.num_spec_tokens:
             return super().forward(batch)
-        logits, features = self.runner.execute_with_features(batch.input_ids, batch.positions, self.kv_cache,
-                                                             batch.sample_rows, self.proposer.feature_layers)
-        self.proposer.observe(batch.layout, features[0])                                 # (N, F)
-        return logits[0]
+        logits, features = self.target_forward(batch, tuple(self.proposer.feature_layers))
+        self.proposer.observe(batch.layout, features)                                    # (N, F)
+        return logits
 
     # -- verify (the hook) ---------------------------------------------------------------------------
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],

@@ -9,10 +9,14 @@ request's num_computed_tokens, whose tokens are final, so rejections need no rol
 `lookahead_masks`: a step that verifies k drafts need not run the whole trained block. The block is then the
 last token + k + lookahead_masks masks (at most the trained block): the drafts change a little (fewer masks
 to attend to), the output never does (the target verifies), and the drafter's layers push fewer rows.
+
+With the engine's graphs on (`engine.cuda_graphs`: cuda on a GPU, or eager), greedy blocks run in
+DFlashBlockGraphs (lab/spec/dflash_graphs.py): the same drafter forward on padded static buffers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +25,7 @@ from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.request import Request
 from lab.runner import ModelRunner
+from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
 
@@ -55,6 +60,7 @@ class DFlashProposer(FeatureProposer):
         self.block_size = drafter.block_size
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
+        self.graphs: DFlashBlockGraphs | None = None   # use_graphs: greedy blocks in (CUDA) graphs
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
@@ -100,6 +106,32 @@ class DFlashProposer(FeatureProposer):
             sees[row, :, :, :context.length] = True
         return [(layer[0], layer[1]) for layer in padded], sees
 
+    def stats(self) -> dict[str, float]:
+        return {**super().stats(), **(self.graphs.stats() if self.graphs is not None else {})}
+
+    def use_graphs(self, mode: str, capture_sizes: Sequence[int], max_context: int) -> None:
+        """Draft greedy blocks in CUDA graphs (`mode` cuda) or their fixed-shape eager form (`eager`)."""
+        self.graphs = DFlashBlockGraphs(self, mode, capture_sizes, max_context)
+
+    def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
+                       generators: list[torch.Generator | None]
+                       ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+        """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
+        greedy) and the drafter's confidences."""
+        num_seqs = len(active)
+        context_kv, sees = self._batch_contexts(contexts, block)
+        last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
+        last_stream = None
+        if self.drafter.reads_last_context:   # NOTE: the token before each block: its context stream, already projected
+            last_stream = torch.stack([c.last_stream for c in contexts])[:, None]                # (S, 1, H)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream, block)  # (S, B, H)
+        positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
+                     + torch.arange(block, device=self.device))                                # (S, B)
+        hidden = self.drafter(embeds, positions, context_kv, sees, rows=slice(1, k + 1))              # (S, k, H)
+        # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
+        params = [r.sampling_params for r in active for _ in range(k)]
+        return self.pick(hidden.reshape(num_seqs * k, -1), params, [g for g in generators for _ in range(k)])
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
@@ -113,20 +145,16 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        context_kv, sees = self._batch_contexts(contexts, block)
-        last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
-        last_stream = None
-        if self.drafter.reads_last_context:   # NOTE: the token before each block: its context stream, already projected
-            last_stream = torch.stack([c.last_stream for c in contexts])[:, None]                # (S, 1, H)
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream, block)  # (S, B, H)
-        positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
-                     + torch.arange(block, device=self.device))                                # (S, B)
-        hidden = self.drafter(embeds, positions, context_kv, sees, rows=slice(1, k + 1))              # (S, k, H)
+        if (self.graphs is not None and self.graphs.fits(num_seqs)
+                and all(r.sampling_params.is_greedy for r in active)):
+            tokens, confidence = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
+                                                 [r.num_tokens - 1 for r in active], block, k)
+            probs = [None] * len(tokens)
+            if confidence is None:   # NOTE: no gate: every drafted position counts as sure
+                confidence = [1.0] * len(tokens)
+        else:
+            tokens, probs, confidence = self._draft_eagerly(active, contexts, block, k, [g for _, g in pairs])
         self.num_forwards += 1
-        # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
-        params = [r.sampling_params for r in active for _ in range(k)]
-        tokens, probs, confidence = self.pick(hidden.reshape(num_seqs * k, -1), params,
-                                              [g for _, g in pairs for _ in range(k)])
         out = {}
         for row, request in enumerate(active):
             span = slice(row * k, (row + 1) * k)

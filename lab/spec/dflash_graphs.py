@@ -1,0 +1,131 @@
+"""DFlashBlockGraphs: DFlash's block forward and its greedy draft head in CUDA graphs (or in their fixed-shape
+eager form, which is how CPU tests run them), so that a GPU drafts a block with one launch instead of a Python
+launch per drafter op (lab/runner/cuda_graphs.py does the same for the target's decode and verify steps).
+
+A drafting step of S requests runs in the graph of capture size P >= S, context width C (the next power of two
+of the longest context), block B and k draft rows. Each request's context K/V (the proposer's _ContextKV, every
+drafter layer) is copied into row r of a static (layers, 2, P, Hkv, C, D) buffer and masked past its length;
+its last token, the context stream before its block and the block's first position go into small static
+buffers. The graph then builds the block inputs, runs the drafter and takes the head's argmax over block rows
+1..k. It returns the tokens (P, k) and, with a confidence gate, the largest probability at each (P, k). Padding
+rows see no context and are never read.
+
+Owns: the static buffers, the buckets and the capture of the drafter's block forward. Ignores: which request a
+row is; projecting new context positions (eager, a few ops over the new positions only); sampled drafts (eager).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lab.runner.cuda_graphs import bucket_size, capture, pow2_width
+
+if TYPE_CHECKING:
+    from lab.spec.dflash import DFlashProposer, _ContextKV
+
+MIN_CONTEXT_WIDTH = 64   # NOTE: short contexts share one graph instead of one per power of two below this
+
+
+@dataclass(slots=True)
+class _BlockGraph:
+    context: torch.Tensor                         # (layers, 2, P, Hkv, C, D) every row's context K/V
+    context_lens: torch.Tensor                    # (P,) context positions each row sees
+    last_ids: torch.Tensor                        # (P,) the token each block starts from
+    last_stream: torch.Tensor                     # (P, 1, H) the context stream of the position before the block
+    first_positions: torch.Tensor                 # (P,) the block's first position
+    graph: torch.cuda.CUDAGraph | None            # None in eager mode
+    outputs: tuple[torch.Tensor, torch.Tensor | None] | None   # the captured (tokens (P, k), confidence (P, k))
+
+
+class DFlashBlockGraphs:
+    def __init__(self, proposer: DFlashProposer, mode: str, capture_sizes: Sequence[int], max_context: int) -> None:
+        self.proposer, self.mode = proposer, mode
+        self.capture_sizes = sorted(capture_sizes)
+        self.max_context = max_context
+        self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.num_replays = 0
+        self.capture_s = 0.0
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.capture_sizes[-1]
+
+    @torch.inference_mode()
+    def run(self, contexts: list[_ContextKV], last_ids: list[int], first_positions: list[int], block: int,
+            k: int) -> tuple[list[int], list[float] | None]:
+        """S requests' contexts, last tokens and block starts -> their k greedy drafts each, flat (S * k,), and
+        with a confidence gate the drafter's largest probability at each (else None)."""
+        num_seqs = len(contexts)
+        width = pow2_width(max(MIN_CONTEXT_WIDTH, *(c.length for c in contexts)), self.max_context)
+        key = (bucket_size(self.capture_sizes, num_seqs), width, block, k)
+        graph = self._graphs.get(key) or self._build(*key, contexts[0].data)
+        self._load(graph, contexts, last_ids, first_positions)
+        if graph.graph is not None:
+            graph.graph.replay()
+            tokens, confidence = graph.outputs
+        else:
+            tokens, confidence = self._forward(graph, block, k)
+        self.num_replays += 1
+        tokens_list = tokens[:num_seqs].flatten().tolist()
+        return tokens_list, None if confidence is None else confidence[:num_seqs].flatten().tolist()
+
+    def _load(self, graph: _BlockGraph, contexts: list[_ContextKV], last_ids: list[int],
+              first_positions: list[int]) -> None:
+        num_seqs, device = len(contexts), graph.context.device
+        for row, context in enumerate(contexts):
+            graph.context[:, :, row, :, :context.length].copy_(context.data[:, :, :, :context.length])
+        graph.context_lens.zero_()
+        graph.context_lens[:num_seqs].copy_(torch.tensor([c.length for c in contexts]).to(device))
+        graph.last_ids.zero_()
+        graph.last_ids[:num_seqs].copy_(torch.tensor(last_ids).to(device))
+        graph.first_positions.zero_()
+        graph.first_positions[:num_seqs].copy_(torch.tensor(first_positions).to(device))
+        if self.proposer.drafter.reads_last_context:
+            graph.last_stream[:num_seqs, 0].copy_(torch.stack([c.last_stream for c in contexts]))
+
+    def _forward(self, graph: _BlockGraph, block: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        proposer, drafter = self.proposer, self.proposer.drafter
+        num_rows, width = graph.context.shape[2], graph.context.shape[4]
+        device = graph.context.device
+        last_stream = graph.last_stream if drafter.reads_last_context else None
+        embeds = drafter.block_inputs(proposer.target.embed_tokens(graph.last_ids)[:, None], last_stream,
+                                      block)                                                         # (P, B, H)
+        positions = graph.first_positions[:, None] + torch.arange(block, device=device)            # (P, B)
+        sees_context = torch.arange(width, device=device) < graph.context_lens[:, None]            # (P, C)
+        sees = torch.cat((sees_context, sees_context.new_ones(num_rows, block)), dim=1)            # (P, C + B)
+        mask = sees[:, None, None].expand(num_rows, 1, block, width + block)                       # (P, 1, B, C + B)
+        context_kv = [(layer[0], layer[1]) for layer in graph.context]
+        hidden = drafter(embeds, positions, context_kv, mask, rows=slice(1, k + 1))                 # (P, k, H)
+        normed = proposer.output_norm(hidden)
+        head = (proposer.draft_head(normed) if proposer.draft_head is not None
+                else proposer.target.compute_logits(normed)).float()                              # (P, k, V')
+        confidence = torch.softmax(head, -1).amax(-1) if proposer.gate.active else None
+        return head.argmax(-1), confidence
+
+    def _build(self, num_rows: int, width: int, block: int, k: int, sample: torch.Tensor) -> _BlockGraph:
+        """sample: a context's data (layers, 2, Hkv, capacity, D), for the buffers' shapes, dtype and device."""
+        proposer = self.proposer
+        layers, _, num_kv_heads, _, head_dim = sample.shape
+        device, dtype = sample.device, sample.dtype
+        hidden = proposer.target.config.hidden_size
+        graph = _BlockGraph(
+            context=torch.zeros(layers, 2, num_rows, num_kv_heads, width, head_dim, dtype=dtype, device=device),
+            context_lens=torch.zeros(num_rows, dtype=torch.long, device=device),
+            last_ids=torch.zeros(num_rows, dtype=torch.long, device=device),
+            last_stream=torch.zeros(num_rows, 1, hidden, dtype=dtype, device=device),
+            first_positions=torch.zeros(num_rows, dtype=torch.long, device=device), graph=None, outputs=None)
+        if self.mode == "cuda":
+            start = time.perf_counter()
+            graph.graph, graph.outputs = capture(lambda: self._forward(graph, block, k), device, self._pool)
+            self.capture_s += time.perf_counter() - start
+        self._graphs[(num_rows, width, block, k)] = graph
+        return graph
+
+    def stats(self) -> dict[str, float]:
+        return {"spec/draft_graphs": len(self._graphs), "spec/draft_graph_replays": self.num_replays,
+                "spec/draft_graph_capture_s": self.capture_s}
