@@ -32,12 +32,19 @@ MIN_CONTEXT_WIDTH = 64   # NOTE: short contexts share one graph instead of one p
 
 
 @dataclass(slots=True)
-class _BlockGraph:
+class _BlockInputs:
+    """The static inputs of every graph of P rows and context width C (graphs of other blocks or k share them)."""
+
     context: torch.Tensor                         # (layers, 2, P, Hkv, C, D) every row's context K/V
     context_lens: torch.Tensor                    # (P,) context positions each row sees
     last_ids: torch.Tensor                        # (P,) the token each block starts from
     last_stream: torch.Tensor                     # (P, 1, H) the context stream of the position before the block
     first_positions: torch.Tensor                 # (P,) the block's first position
+
+
+@dataclass(slots=True)
+class _BlockGraph:
+    inputs: _BlockInputs
     graph: torch.cuda.CUDAGraph | None            # None in eager mode
     outputs: tuple[torch.Tensor, torch.Tensor | None] | None   # the captured (tokens (P, k), confidence (P, k))
 
@@ -48,6 +55,9 @@ class DFlashBlockGraphs:
         self.capture_sizes = sorted(capture_sizes)
         self.max_context = max_context
         self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
+        # NOTE: the context buffer is the big one (P x C positions of every layer's K/V): one per (P, C), shared by
+        # the graphs of every block size and k; replays are sequential, so sharing inputs is safe.
+        self._inputs: dict[tuple[int, int], _BlockInputs] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.num_replays = 0
         self.capture_s = 0.0
@@ -64,42 +74,42 @@ class DFlashBlockGraphs:
         width = pow2_width(max(MIN_CONTEXT_WIDTH, *(c.length for c in contexts)), self.max_context)
         key = (bucket_size(self.capture_sizes, num_seqs), width, block, k)
         graph = self._graphs.get(key) or self._build(*key, contexts[0].data)
-        self._load(graph, contexts, last_ids, first_positions)
+        self._load(graph.inputs, contexts, last_ids, first_positions)
         if graph.graph is not None:
             graph.graph.replay()
             tokens, confidence = graph.outputs
         else:
-            tokens, confidence = self._forward(graph, block, k)
+            tokens, confidence = self._forward(graph.inputs, block, k)
         self.num_replays += 1
         tokens_list = tokens[:num_seqs].flatten().tolist()
         return tokens_list, None if confidence is None else confidence[:num_seqs].flatten().tolist()
 
-    def _load(self, graph: _BlockGraph, contexts: list[_ContextKV], last_ids: list[int],
+    def _load(self, inputs: _BlockInputs, contexts: list[_ContextKV], last_ids: list[int],
               first_positions: list[int]) -> None:
-        num_seqs, device = len(contexts), graph.context.device
+        num_seqs, device = len(contexts), inputs.context.device
         for row, context in enumerate(contexts):
-            graph.context[:, :, row, :, :context.length].copy_(context.data[:, :, :, :context.length])
-        graph.context_lens.zero_()
-        graph.context_lens[:num_seqs].copy_(torch.tensor([c.length for c in contexts]).to(device))
-        graph.last_ids.zero_()
-        graph.last_ids[:num_seqs].copy_(torch.tensor(last_ids).to(device))
-        graph.first_positions.zero_()
-        graph.first_positions[:num_seqs].copy_(torch.tensor(first_positions).to(device))
+            inputs.context[:, :, row, :, :context.length].copy_(context.data[:, :, :, :context.length])
+        inputs.context_lens.zero_()
+        inputs.context_lens[:num_seqs].copy_(torch.tensor([c.length for c in contexts]).to(device))
+        inputs.last_ids.zero_()
+        inputs.last_ids[:num_seqs].copy_(torch.tensor(last_ids).to(device))
+        inputs.first_positions.zero_()
+        inputs.first_positions[:num_seqs].copy_(torch.tensor(first_positions).to(device))
         if self.proposer.drafter.reads_last_context:
-            graph.last_stream[:num_seqs, 0].copy_(torch.stack([c.last_stream for c in contexts]))
+            inputs.last_stream[:num_seqs, 0].copy_(torch.stack([c.last_stream for c in contexts]))
 
-    def _forward(self, graph: _BlockGraph, block: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, inputs: _BlockInputs, block: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         proposer, drafter = self.proposer, self.proposer.drafter
-        num_rows, width = graph.context.shape[2], graph.context.shape[4]
-        device = graph.context.device
-        last_stream = graph.last_stream if drafter.reads_last_context else None
-        embeds = drafter.block_inputs(proposer.target.embed_tokens(graph.last_ids)[:, None], last_stream,
+        num_rows, width = inputs.context.shape[2], inputs.context.shape[4]
+        device = inputs.context.device
+        last_stream = inputs.last_stream if drafter.reads_last_context else None
+        embeds = drafter.block_inputs(proposer.target.embed_tokens(inputs.last_ids)[:, None], last_stream,
                                       block)                                                         # (P, B, H)
-        positions = graph.first_positions[:, None] + torch.arange(block, device=device)            # (P, B)
-        sees_context = torch.arange(width, device=device) < graph.context_lens[:, None]            # (P, C)
+        positions = inputs.first_positions[:, None] + torch.arange(block, device=device)            # (P, B)
+        sees_context = torch.arange(width, device=device) < inputs.context_lens[:, None]            # (P, C)
         sees = torch.cat((sees_context, sees_context.new_ones(num_rows, block)), dim=1)            # (P, C + B)
         mask = sees[:, None, None].expand(num_rows, 1, block, width + block)                       # (P, 1, B, C + B)
-        context_kv = [(layer[0], layer[1]) for layer in graph.context]
+        context_kv = [(layer[0], layer[1]) for layer in inputs.context]
         hidden = drafter(embeds, positions, context_kv, mask, rows=slice(1, k + 1))                 # (P, k, H)
         normed = proposer.output_norm(hidden)
         head = (proposer.draft_head(normed) if proposer.draft_head is not None
@@ -109,22 +119,27 @@ class DFlashBlockGraphs:
 
     def _build(self, num_rows: int, width: int, block: int, k: int, sample: torch.Tensor) -> _BlockGraph:
         """sample: a context's data (layers, 2, Hkv, capacity, D), for the buffers' shapes, dtype and device."""
-        proposer = self.proposer
+        inputs = self._inputs.get((num_rows, width)) or self._new_inputs(num_rows, width, sample)
+        graph = _BlockGraph(inputs, None, None)
+        if self.mode == "cuda":
+            start = time.perf_counter()
+            graph.graph, graph.outputs = capture(lambda: self._forward(inputs, block, k), sample.device, self._pool)
+            self.capture_s += time.perf_counter() - start
+        self._graphs[(num_rows, width, block, k)] = graph
+        return graph
+
+    def _new_inputs(self, num_rows: int, width: int, sample: torch.Tensor) -> _BlockInputs:
         layers, _, num_kv_heads, _, head_dim = sample.shape
         device, dtype = sample.device, sample.dtype
-        hidden = proposer.target.config.hidden_size
-        graph = _BlockGraph(
+        hidden = self.proposer.target.config.hidden_size
+        inputs = _BlockInputs(
             context=torch.zeros(layers, 2, num_rows, num_kv_heads, width, head_dim, dtype=dtype, device=device),
             context_lens=torch.zeros(num_rows, dtype=torch.long, device=device),
             last_ids=torch.zeros(num_rows, dtype=torch.long, device=device),
             last_stream=torch.zeros(num_rows, 1, hidden, dtype=dtype, device=device),
-            first_positions=torch.zeros(num_rows, dtype=torch.long, device=device), graph=None, outputs=None)
-        if self.mode == "cuda":
-            start = time.perf_counter()
-            graph.graph, graph.outputs = capture(lambda: self._forward(graph, block, k), device, self._pool)
-            self.capture_s += time.perf_counter() - start
-        self._graphs[(num_rows, width, block, k)] = graph
-        return graph
+            first_positions=torch.zeros(num_rows, dtype=torch.long, device=device))
+        self._inputs[(num_rows, width)] = inputs
+        return inputs
 
     def stats(self) -> dict[str, float]:
         return {"spec/draft_graphs": len(self._graphs), "spec/draft_graph_replays": self.num_replays,
