@@ -35,4 +35,6 @@ for model in smollm2 llama-1b; do
 done
 timeout 100 python3 experiments/bench_train.py --device cuda --kinds dflash,eagle --batches 4,16,64 \
   --out "$out/train.json" 2>&1 | tee "$out/train.log" || status=1
+timeout 60 python3 experiments/bench_train.py --device cuda --kinds dflash --batches 16,64 --features online \
+  2>&1 | tee -a "$out/train.log" || status=1
 exit $status

@@ -32,7 +32,8 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
-from lab.training.data import DataConfig, Sequence, load_training_data, reference_sequences, target_features
+from lab.training.data import (DataConfig, Sequence, load_training_data, online_features, reference_sequences,
+                                target_features)
 from lab.training.losses import dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
@@ -460,6 +461,24 @@ def test_the_confidence_gate_keeps_the_prefix_above_the_threshold(trained: dict,
 def test_bad_training_settings_name_the_key() -> None:
     with pytest.raises(LabError, match="data.max_new_tokens must be >= 1"):
         DataConfig(max_new_tokens=0)
+    with pytest.raises(LabError, match="unknown data.features 'disk'"):
+        DataConfig(features="disk")
+    assert DataConfig(features="online").key() == DataConfig().key()   # the same cached answers
+
+
+def test_online_features_are_the_cached_ones_batched(tiny_runner: ModelRunner) -> None:
+    """data.features=online: one batched forward over the padded batch gives each sequence's cached features
+    (which are fp16), zeros past its end."""
+    result = AREngine(tiny_runner).run(make_requests(_prompts(3, seed=2), 12, ignore_eos=True))
+    sequences = [Sequence(r.all_token_ids[:20 + 7 * i], r.num_prompt_tokens) for i, r in enumerate(result.requests)]
+    layers = (0, -1)
+    cached = make_batch(sequences, target_features(tiny_runner, sequences, layers), 96)
+    online = make_batch(sequences, None, 96, compute_features=online_features(tiny_runner, layers))
+    assert torch.equal(online.token_ids, cached.token_ids) and online.features.shape == cached.features.shape
+    torch.testing.assert_close(online.features, cached.features, rtol=2e-3, atol=2e-3)
+    assert online.features[0, len(sequences[0].token_ids):].eq(0).all()
+    with pytest.raises(LabError, match="no features and no way to compute them"):
+        make_batch(sequences, None, 96)
 
 
 def _proposer_with_vocab(kind: str, path: Path, draft_vocab_size: int):
@@ -636,12 +655,14 @@ def test_lab_train_is_one_wandb_run_with_its_curves(tmp_path: Path, monkeypatch:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
-def test_training_runs_where_the_target_is(kind: str, device: str, tmp_path: Path) -> None:
-    """The target on `device`: batches move there from the cached CPU features, the loss falls, and the
-    checkpoint loads on the CPU."""
+@pytest.mark.parametrize("features", ["cached", "online"])
+def test_training_runs_where_the_target_is(kind: str, device: str, features: str, tmp_path: Path) -> None:
+    """The target on `device`: batches move there from the cached CPU features (or the target computes them
+    there per batch, data.features=online, and nothing is cached), the loss falls, and the checkpoint loads on
+    the CPU."""
     runner = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device=device)
     result = AREngine(runner).run(make_requests(_prompts(24, seed=3), 24, ignore_eos=True))
-    data = DataConfig(num_prompts=24)
+    data = DataConfig(num_prompts=24, features=features)
     (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps(
         [{"token_ids": r.all_token_ids, "prompt_len": r.num_prompt_tokens} for r in result.requests]))
     train = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, max_seq_len=96, val_sequences=8,
@@ -649,5 +670,6 @@ def test_training_runs_where_the_target_is(kind: str, device: str, tmp_path: Pat
     metrics = train_drafter(kind, runner, data, train, dict(OPTIONS[kind]), tmp_path / "d.pt", "test", tmp_path,
                             log=lambda _: None)
     assert metrics["train/last_loss"] < metrics["train/first_loss"], metrics
+    assert bool(list(tmp_path.glob("features-*"))) == (features == "cached")
     cpu_target = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
     load_drafter(tmp_path / "d.pt", kind, cpu_target.model)

@@ -12,6 +12,10 @@ the first of any larger count's (a seeded shuffle), so raising `reference_answer
 shards, and an interrupted extraction keeps the shards it finished. Cached features are memory-mapped, so a
 corpus larger than RAM trains from the page cache.
 
+`features: online` caches no features: the target computes each batch's in the training step (one batched
+forward, `online_features`). The cache holds 5 layers x H values a token (20 GB for smollm2's 3.5M tokens), so
+on a GPU, where that forward is cheap, a corpus of any size trains this way.
+
 Owns: the caches under $LAB_CACHE/train/<target fingerprint>/ (responses / references JSON, features .pt)
 and what is in them. Ignores: the drafters and their losses.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ class DataConfig:
     max_new_tokens: int = 256
     max_num_seqs: int = 32
     reference_answers: int = 0             # more conversations with their recorded answers (prefill only)
+    features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
 
     def __post_init__(self) -> None:
@@ -58,10 +64,13 @@ class DataConfig:
         if self.reference_answers < 0:
             raise LabError(f"data.reference_answers must be >= 0, got {self.reference_answers}",
                            "set data.reference_answers=0 (none) or a positive count")
+        if self.features not in ("cached", "online"):
+            raise LabError(f"unknown data.features {self.features!r}",
+                           "use data.features=cached (computed once, stored) or online (computed per batch)")
 
     def key(self) -> str:
         """The generated answers' cache key (the fields that decide them)."""
-        skip = ("feature_layers", "reference_answers")
+        skip = ("feature_layers", "reference_answers", "features")
         fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -144,14 +153,32 @@ def target_features(runner: ModelRunner, sequences: list[Sequence], feature_laye
     return out
 
 
+def online_features(runner: ModelRunner, feature_layers: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """data.features=online: token_ids (S, T) on the target's device, padded at the end -> their features
+    (S, T, len(feature_layers) * H) fp32, one batched causal forward (padding after a token cannot change it)."""
+    layers = tuple(i % runner.config.num_layers for i in feature_layers)
+
+    @torch.no_grad()   # NOTE: not inference_mode: the features feed the drafter's autograd graph
+    def features(token_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(token_ids.shape[1], device=token_ids.device)[None].expand_as(token_ids)
+        _, out = runner.model.forward_with_features(token_ids, positions, NoCache(), layers)
+        return out.float()
+
+    return features
+
+
 def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print
-                       ) -> tuple[list[Sequence], list[torch.Tensor]]:
-    """(sequences, their target features at config.feature_layers), from the caches when present: the
-    target's own answers first (validation takes the first few), then the reference conversations."""
+                       ) -> tuple[list[Sequence], list[torch.Tensor] | None]:
+    """(sequences, their target features at config.feature_layers or None with features=online), from the caches
+    when present: the target's own answers first (validation takes the first few), then the reference
+    conversations."""
     sequences = generate_responses(runner, config, cache_dir, log)
-    features = cached_features(runner, sequences, config.key(), config.feature_layers, cache_dir, log)
     if config.reference_answers:
         references = reference_sequences(runner.tokenizer, config, cache_dir, sequences, log)
+    if config.features == "online":
+        return sequences + (references if config.reference_answers else []), None
+    features = cached_features(runner, sequences, config.key(), config.feature_layers, cache_dir, log)
+    if config.reference_answers:
         sequences = sequences + references
         for start in range(0, len(references), REFERENCE_SHARD):
             shard = references[start:start + REFERENCE_SHARD]

@@ -21,6 +21,7 @@ Owns: batching (padding), the losses and their validation metrics. Ignores: opti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from lab.drafters.dflash import DFlashDrafter, block_mask
 from lab.drafters.eagle import EagleDrafter
+from lab.errors import LabError
 from lab.kv_cache.base import NoCache
 from lab.models.decoder import DecoderModel
 from lab.training.data import Sequence
@@ -41,18 +43,29 @@ class Batch:
     prompt_lens: torch.Tensor    # (S,)
 
 
-def make_batch(sequences: list[Sequence], features: list[torch.Tensor], max_len: int,
-               device: torch.device | str = "cpu") -> Batch:
-    """Pad into one batch (built on the CPU, where the cached features are, then moved to `device`)."""
+def make_batch(sequences: list[Sequence], features: list[torch.Tensor] | None, max_len: int,
+               device: torch.device | str = "cpu",
+               compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batch:
+    """Pad into one batch: built on the CPU, where the cached features are, then moved to `device`; with
+    features None, `compute_features` (data.online_features) computes them there from the padded token ids."""
     lengths = [min(len(s.token_ids), max_len) for s in sequences]
     longest = max(lengths)
     ids = torch.zeros(len(sequences), longest, dtype=torch.long)
-    feats = torch.zeros(len(sequences), longest, features[0].shape[-1])
-    for row, (seq, feat, n) in enumerate(zip(sequences, features, lengths)):
+    for row, (seq, n) in enumerate(zip(sequences, lengths)):
         ids[row, :n] = torch.tensor(seq.token_ids[:n])
-        feats[row, :n] = feat[:n].float()
+    ids = ids.to(device)
+    if features is None:
+        if compute_features is None:
+            raise LabError("make_batch got no features and no way to compute them", "pass compute_features")
+        valid = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]                    # (S, T)
+        feats = compute_features(ids) * valid.to(device)[..., None]   # (S, T, F); zeros past the end, as cached
+    else:
+        feats = torch.zeros(len(sequences), longest, features[0].shape[-1])
+        for row, (feat, n) in enumerate(zip(features, lengths)):
+            feats[row, :n] = feat[:n].float()
+        feats = feats.to(device)
     prompt_lens = torch.tensor([min(s.prompt_len, n) for s, n in zip(sequences, lengths)])
-    return Batch(ids.to(device), feats.to(device), torch.tensor(lengths, device=device), prompt_lens.to(device))
+    return Batch(ids, feats, torch.tensor(lengths, device=device), prompt_lens.to(device))
 
 
 def eagle_loss(drafter: EagleDrafter, target: DecoderModel, batch: Batch, ce_weight: float = 0.1,

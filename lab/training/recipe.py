@@ -31,7 +31,7 @@ from lab.logging import NullLogger
 from lab.models.decoder import DecoderModel
 from lab.models.sources import default_cache_dir
 from lab.runner import ModelRunner
-from lab.training.data import DataConfig, load_training_data
+from lab.training.data import DataConfig, load_training_data, online_features
 from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
 
 
@@ -193,17 +193,19 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         p.requires_grad_(False)
     data.feature_layers = tuple(drafter.feature_layers)
     cache_dir = cache_dir or default_cache_dir() / "train" / target_fingerprint(target_model)
-    sequences, features = load_training_data(target, data, cache_dir, log)
+    sequences, features = load_training_data(target, data, cache_dir, log)   # features None: data.features=online
     if len(sequences) <= train.val_sequences:
         raise LabError(f"only {len(sequences)} training sequences", "raise data.num_prompts")
-    val = (sequences[:train.val_sequences], features[:train.val_sequences])
-    sequences, features = sequences[train.val_sequences:], features[train.val_sequences:]
+    compute = online_features(target, data.feature_layers) if features is None else None
+    val = (sequences[:train.val_sequences], None if features is None else features[:train.val_sequences])
+    sequences = sequences[train.val_sequences:]
+    features = None if features is None else features[train.val_sequences:]
     loss_fn = _objective(kind, options, target_model)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=train.lr,
                                   weight_decay=train.weight_decay, betas=(0.9, 0.95))
     log(f"training {kind}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, "
         f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
-    before = evaluate(drafter, loss_fn, val, train.max_seq_len)
+    before = evaluate(drafter, loss_fn, val, train.max_seq_len, compute)
     log(f"step 0 validation {json.dumps(before)}")
     logger.log_series("val", [{"step": 0, **before}], "step")
     start = time.perf_counter()
@@ -214,8 +216,8 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     stop = _StopOnSignal()
     for step in stop.steps(steps_done):
         index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
-        batch = make_batch([sequences[i] for i in index], [features[i] for i in index], train.max_seq_len,
-                           target.device)
+        batch = make_batch([sequences[i] for i in index], None if features is None else [features[i] for i in index],
+                           train.max_seq_len, target.device, compute)
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, train.steps, train.warmup_steps, train.lr)
         loss, metrics = loss_fn(drafter, batch, generator)
@@ -230,14 +232,14 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
             logger.log_series("train", [{"step": step + 1, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
                                          "seconds": time.perf_counter() - start, **metrics}], "step")
         if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
-            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log, logger)
+            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len, compute), drafter, log, logger)
     if stop.signal:   # NOTE: the recorded command ends where this run did, so it still re-creates these weights
         steps_done = stop.steps_done
         log(f"{stop.signal}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
         earlier, _, last = command.rpartition(" && ")
         last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
         command = f"{earlier} && {last}" if earlier else last
-    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len), drafter, log, logger)
+    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len, compute), drafter, log, logger)
     drafter.load_state_dict(best.state)
     after = best.metrics
     log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
@@ -266,8 +268,10 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
 
 
 @torch.no_grad()
-def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max_len: int) -> dict[str, float]:
-    """Mean validation metrics over held-out sequences, batches of 4, the same anchors every time."""
+def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list | None], max_len: int,
+             compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """Mean validation metrics over held-out sequences, batches of 4, the same anchors every time (features None:
+    `compute_features` computes them, data.features=online)."""
     drafter.eval()
     sequences, features = val
     device = next(drafter.parameters()).device
@@ -275,7 +279,9 @@ def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list], max
     batches = 0
     generator = torch.Generator().manual_seed(1234)
     for i in range(0, len(sequences), 4):
-        _, metrics = loss_fn(drafter, make_batch(sequences[i:i + 4], features[i:i + 4], max_len, device), generator)
+        batch = make_batch(sequences[i:i + 4], None if features is None else features[i:i + 4], max_len, device,
+                           compute_features)
+        _, metrics = loss_fn(drafter, batch, generator)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v
         batches += 1
