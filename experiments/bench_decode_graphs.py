@@ -61,8 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="smollm2,llama-1b")
     parser.add_argument("--batches", default="1,4,16,64")
-    # NOTE: 160 = 10 blocks of 16: the tables stay in the 16-column bucket for 96 tokens, so no graph is captured
-    # inside the timed window (a capture there, ~0.1-0.3 s, would add milliseconds to every step's mean).
+    # NOTE: 160 = 10 blocks of 16: the tables stay in the 16-column bucket for the next 96 tokens, so no graph is
+    # captured inside the timed window (a capture there, ~0.1-0.3 s, would add milliseconds to every step's mean;
+    # time_steps warns if one is).
     parser.add_argument("--prompt-len", type=int, default=160)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
