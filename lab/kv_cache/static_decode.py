@@ -44,12 +44,17 @@ class StaticDecodeView:
         self._block_offsets = torch.arange(bs, device=device)                                       # (bs,)
         self._key_positions = torch.arange(self.num_keys, device=device)                            # (S,)
         self._query_offsets = torch.arange(query_len, device=device)                                # (Q,)
+        self._all_rows = torch.arange(num_tokens, device=device)                                    # (P*Q,)
         self._key_index: torch.Tensor | None = None
         self._mask: torch.Tensor | None = None
 
     def token_rows(self, index: StepIndex) -> torch.Tensor:
         """(N,) the view position of each token of the step's flat batch: request r's j-th token -> r * Q + j."""
         q = self.query_len
+        if all(seq.num_query_tokens == q for seq in index.seqs):
+            # NOTE: every plain decode step (Q = 1) and every fully drafted verify step: the first N rows, a slice
+            # of a buffer already on the device (no list, no host-to-device copy in the decode step).
+            return self._all_rows[:len(index.seqs) * q]
         rows = [r * q + j for r, seq in enumerate(index.seqs) for j in range(seq.num_query_tokens)]
         return torch.tensor(rows, dtype=torch.long).to(self.cache.device)
 

@@ -113,6 +113,16 @@ class DFlashProposer(FeatureProposer):
         """Draft greedy blocks in CUDA graphs (`mode` cuda) or their fixed-shape eager form (`eager`)."""
         self.graphs = DFlashBlockGraphs(self, mode, capture_sizes, max_context)
 
+    def block_hidden(self, last_ids: torch.Tensor, last_stream: torch.Tensor | None, first_positions: torch.Tensor,
+                     context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None, block: int,
+                     k: int) -> torch.Tensor:
+        """One drafter forward over S blocks: last_ids (S,) each block's first token, last_stream (S, 1, H) or
+        None, first_positions (S,), the context K/V and mask of `_batch_contexts` -> hidden (S, k, H) of block
+        rows 1..k. Eager drafting and DFlashBlockGraphs both run it."""
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last_ids)[:, None], last_stream, block)  # (S, B, H)
+        positions = first_positions[:, None] + torch.arange(block, device=first_positions.device)        # (S, B)
+        return self.drafter(embeds, positions, context_kv, mask, rows=slice(1, k + 1))
+
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
                        ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
@@ -124,10 +134,8 @@ class DFlashProposer(FeatureProposer):
         last_stream = None
         if self.drafter.reads_last_context:   # NOTE: the token before each block: its context stream, already projected
             last_stream = torch.stack([c.last_stream for c in contexts])[:, None]                # (S, 1, H)
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last)[:, None], last_stream, block)  # (S, B, H)
-        positions = (torch.tensor([r.num_tokens - 1 for r in active], device=self.device)[:, None]
-                     + torch.arange(block, device=self.device))                                # (S, B)
-        hidden = self.drafter(embeds, positions, context_kv, sees, rows=slice(1, k + 1))              # (S, k, H)
+        first = torch.tensor([r.num_tokens - 1 for r in active], device=self.device)
+        hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k)           # (S, k, H)
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
         return self.pick(hidden.reshape(num_seqs * k, -1), params, [g for g in generators for _ in range(k)])

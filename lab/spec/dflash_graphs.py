@@ -99,23 +99,16 @@ class DFlashBlockGraphs:
             inputs.last_stream[:num_seqs, 0].copy_(torch.stack([c.last_stream for c in contexts]))
 
     def _forward(self, inputs: _BlockInputs, block: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        proposer, drafter = self.proposer, self.proposer.drafter
+        proposer = self.proposer
         num_rows, width = inputs.context.shape[2], inputs.context.shape[4]
-        device = inputs.context.device
-        last_stream = inputs.last_stream if drafter.reads_last_context else None
-        embeds = drafter.block_inputs(proposer.target.embed_tokens(inputs.last_ids)[:, None], last_stream,
-                                      block)                                                         # (P, B, H)
-        positions = inputs.first_positions[:, None] + torch.arange(block, device=device)            # (P, B)
-        sees_context = torch.arange(width, device=device) < inputs.context_lens[:, None]            # (P, C)
+        last_stream = inputs.last_stream if proposer.drafter.reads_last_context else None
+        sees_context = torch.arange(width, device=inputs.context.device) < inputs.context_lens[:, None]  # (P, C)
         sees = torch.cat((sees_context, sees_context.new_ones(num_rows, block)), dim=1)            # (P, C + B)
         mask = sees[:, None, None].expand(num_rows, 1, block, width + block)                       # (P, 1, B, C + B)
         context_kv = [(layer[0], layer[1]) for layer in inputs.context]
-        hidden = drafter(embeds, positions, context_kv, mask, rows=slice(1, k + 1))                 # (P, k, H)
-        normed = proposer.output_norm(hidden)
-        head = (proposer.draft_head(normed) if proposer.draft_head is not None
-                else proposer.target.compute_logits(normed)).float()                              # (P, k, V')
-        confidence = torch.softmax(head, -1).amax(-1) if proposer.gate.active else None
-        return head.argmax(-1), confidence
+        hidden = proposer.block_hidden(inputs.last_ids, last_stream, inputs.first_positions, context_kv, mask,
+                                       block, k)                                                 # (P, k, H)
+        return proposer.greedy_drafts(hidden)                                                    # (P, k) each
 
     def _build(self, num_rows: int, width: int, block: int, k: int, sample: torch.Tensor) -> _BlockGraph:
         """sample: a context's data (layers, 2, Hkv, capacity, D), for the buffers' shapes, dtype and device."""

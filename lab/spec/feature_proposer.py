@@ -168,12 +168,20 @@ class FeatureProposer:
         gated = self.gate.active
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
-            head = self.draft_head(self.output_norm(hidden)).float()                         # (R, N)
-            confidence = torch.softmax(head, -1).amax(-1).tolist() if gated else [1.0] * len(params)
-            return head.argmax(-1).tolist(), [None] * len(params), confidence
+            tokens, confidence = self.greedy_drafts(hidden)
+            return (tokens.tolist(), [None] * len(params),
+                    confidence.tolist() if confidence is not None else [1.0] * len(params))
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
         return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params)
+
+    def greedy_drafts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafter hidden states (..., H) -> the greedy draft tokens (...) and, with the gate on, the drafter's
+        largest probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
+        normed = self.output_norm(hidden)
+        head = (self.draft_head(normed) if self.draft_head is not None
+                else self.target.compute_logits(normed)).float()                            # (..., N or V)
+        return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's

@@ -172,19 +172,17 @@ def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     """(sequences, their target features at config.feature_layers or None with features=online), from the caches
     when present: the target's own answers first (validation takes the first few), then the reference
     conversations."""
-    sequences = generate_responses(runner, config, cache_dir, log)
-    if config.reference_answers:
-        references = reference_sequences(runner.tokenizer, config, cache_dir, sequences, log)
+    answers = generate_responses(runner, config, cache_dir, log)
+    references = (reference_sequences(runner.tokenizer, config, cache_dir, answers, log)
+                  if config.reference_answers else [])
     if config.features == "online":
-        return sequences + (references if config.reference_answers else []), None
-    features = cached_features(runner, sequences, config.key(), config.feature_layers, cache_dir, log)
-    if config.reference_answers:
-        sequences = sequences + references
-        for start in range(0, len(references), REFERENCE_SHARD):
-            shard = references[start:start + REFERENCE_SHARD]
-            key = f"{config.reference_key()}-{start}-{start + len(shard)}"
-            features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log)
-    return sequences, features
+        return answers + references, None
+    features = cached_features(runner, answers, config.key(), config.feature_layers, cache_dir, log)
+    for start in range(0, len(references), REFERENCE_SHARD):
+        shard = references[start:start + REFERENCE_SHARD]
+        key = f"{config.reference_key()}-{start}-{start + len(shard)}"
+        features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log)
+    return answers + references, features
 
 
 def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],
