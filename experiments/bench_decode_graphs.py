@@ -5,6 +5,7 @@ and of a ~1B Llama shape (where they matter less). scripts/gpu_check.sh runs it.
     python experiments/bench_decode_graphs.py                       # both shapes, batches 1,4,16,64, bf16
     python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,8 --steps 32
     python experiments/bench_decode_graphs.py --spec-tokens 7       # speculative: every step verifies 1 + 7 tokens
+    python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --profile 8
 
 With `--spec-tokens k` the engine is speculative with an untrained DFlash drafter of the target's shape (one
 layer, block k + 1): against a random target nearly every draft is rejected, so every timed step is a verify of
@@ -14,6 +15,11 @@ docs/speculative.md has the CPU's). The table then also gives the draft's ms per
 Each engine holds `batch` requests of `--prompt-len` random tokens, all past their prefill; the timed
 window is `--steps` whole engine steps (schedule, inputs, forward or graph replay, sampling, bookkeeping)
 between two CUDA synchronisations. Prints a markdown table; `--out` also writes it as JSON.
+
+`--profile N` then profiles N more steps of each engine with torch.profiler, the engine's labelled ranges on
+(schedule, prepare_inputs, draft, verify, sample, attention), and prints where their time goes: the ranges and
+the top operators by self host time and, on a GPU, by self device time (session 15 left an eager verify step on
+the H200 at 86-101 ms against 17.8 ms for a plain one, unexplained).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from bench_batched import filled_engine  # NOTE: run as a script, experiments/ is on sys.path
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.models.sources import tiny
+from lab.profiling import set_ranges_enabled
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.spec.dflash import DFlashProposerConfig
@@ -57,6 +64,28 @@ def time_steps(engine: ContinuousBatchingEngine, steps: int) -> float:
     return 1000 * (time.perf_counter() - start) / steps
 
 
+def profile_steps(engine: ContinuousBatchingEngine, steps: int, top: int = 25) -> str:
+    """torch.profiler over `steps` engine steps, labelled ranges on -> the key-averages tables as text."""
+    on_cuda = engine.runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else [])
+    set_ranges_enabled(True)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            if on_cuda:
+                torch.cuda.synchronize()
+    finally:
+        set_ranges_enabled(False)
+    averages = prof.key_averages()
+    tables = [f"host time by operator and range ({steps} steps):",
+              averages.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)]
+    if on_cuda:
+        tables += [f"device time by kernel ({steps} steps):",
+                   averages.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=48)]
+    return "\n".join(tables)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="smollm2,llama-1b")
@@ -72,6 +101,7 @@ def main() -> None:
                         help="random init's std; 0.2 separates the logits enough that fp32 greedy tokens can be compared")
     parser.add_argument("--spec-tokens", type=int, default=0, help="k > 0: speculative verify steps of 1 + k tokens")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile", type=int, default=0, help="N > 0: then profile N steps of each engine")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_decode_graphs needs CUDA: run it on a GPU machine (scripts/gpu_check.sh), "
@@ -90,7 +120,8 @@ def main() -> None:
                 proposer = (DFlashProposerConfig(checkpoint=None, drafter={"block_size": args.spec_tokens + 1})
                              if args.spec_tokens else None)
                 # NOTE: room for k drafts to the end (a request near max_tokens drafts fewer: another graph).
-                engine = filled_engine(runner, batch, args.prompt_len, max_tokens=args.steps + 8 + args.spec_tokens,
+                engine = filled_engine(runner, batch, args.prompt_len,
+                                       max_tokens=args.steps + args.profile + 8 + args.spec_tokens,
                                        cuda_graphs=CudaGraphConfig(mode=mode), proposer=proposer,
                                        num_spec_tokens=args.spec_tokens)
                 draft_s = engine.stats().get("spec/draft_s", 0.0)
@@ -98,6 +129,9 @@ def main() -> None:
                 draft_ms = 1000 * (engine.stats().get("spec/draft_s", 0.0) - draft_s) / (args.steps + 3)
                 tokens[mode] = [list(r.output_token_ids) for r in engine.scheduler.running]
                 graphs = engine.stats().get("cuda_graph/num_graphs", 0)
+                if args.profile:
+                    print(f"  {shape} batch {batch} k {args.spec_tokens}, graphs {mode}: "
+                          + profile_steps(engine, args.profile), flush=True)
                 engine.abort_running("benchmark over")
             same = sum(a == b for a, b in zip(tokens["off"], tokens[graph_mode])) / batch
             rows.append({"shape": shape, "batch": batch, "spec_tokens": args.spec_tokens, "draft_ms": draft_ms,

@@ -4,7 +4,8 @@ held-out answers the training run validates on (the target's own, never trained 
 
 A block drafter must guess offset j without the j - 1 tokens before it, so its agreement falls with j; the
 acceptance length is 1 + the sum of the run shares. Top-2 / top-4 at offset j are what a tree of 2 / 4
-candidates there would catch (docs/speculative.md weighs them against the verify rows they cost). Several
+candidates there would catch (docs/speculative.md weighs them against the verify rows they cost). A second
+table splits offset 1 by how sure the target is of its own greedy token there. Several
 checkpoints side by side:
 
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt /tmp/dflash_new.pt
@@ -20,7 +21,7 @@ from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fin
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, load_training_data
-from lab.training.losses import dflash_loss
+from lab.training.losses import CONFIDENCE_EDGES, dflash_loss
 from lab.training.recipe import evaluate
 
 
@@ -62,9 +63,26 @@ def main() -> None:
         cells = [" | ".join(f"{results[n][f'{c}_{j}']:.3f}" for c in columns)
                  if f"top1_at_{j}" in results[n] else " | " * (len(columns) - 1) for n in names]
         print(f"| {j} | " + " | ".join(cells) + " |")
+    print()
+    print_confidence_table(results)
     for i, name in enumerate(names):
         r = results[name]
         print(f"{i}: {name}: tau {r['acceptance_length']:.3f}, ce {r['ce']:.3f}, top-1 {r['top1_acc']:.3f}")
+
+
+def print_confidence_table(results: dict[str, dict[str, float]]) -> None:
+    """Offset 1 split by how sure the target is of its greedy token there: the share of positions in each bin,
+    and per checkpoint how often the drafter is right inside it."""
+    names = [n for n in results if "share_conf_0.0" in results[n]]   # drafters that read the target's last layer
+    if not names:
+        return
+    print("| target's probability of its greedy token | share of offset-1 positions | "
+          + " | ".join(f"offset 1 right {i}" for i in range(len(names))) + " |")
+    print("|---|---:|" + "---:|" * len(names))
+    for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
+        share = results[names[0]][f"share_conf_{lo}"]
+        cells = [f"{results[n][f'right_conf_{lo}'] / share:.3f}" if share else "-" for n in names]
+        print(f"| [{lo}, {hi}{']' if hi == 1.0 else ')'} | {share:.3f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

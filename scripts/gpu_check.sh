@@ -3,7 +3,7 @@
 # to the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling, drafter training on
 # the GPU), then benchmarks on random-init targets (no weights travel): experiments/bench_decode_graphs.py
 # (plain decode steps, then speculative verify steps; its tables go into docs/profiling.md),
-# experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting analysis) and
+# a profile of an eager verify step, experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting analysis) and
 # experiments/bench_train.py (drafter training speed); those go into docs/speculative.md.
 #   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
@@ -29,6 +29,9 @@ for k in 2 7; do   # speculative verify steps (1 + k tokens a request) and the d
   timeout 90 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,16 --spec-tokens $k \
     --out "$out/verify_graphs_k$k.json" 2>&1 | tee -a "$out/verify_graphs.log" || status=1
 done
+# where an eager verify step's time goes (86-101 ms against 17.8 ms for a plain step on the H200, session 15)
+timeout 90 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --steps 8 \
+  --profile 4 2>&1 | tee "$out/verify_profile.log" || status=1
 for model in smollm2 llama-1b; do
   timeout 45 python3 experiments/bench_verify.py --model $model --device cuda --dtype bfloat16 \
     --rows 1,2,3,4,6,8,16,32,64 --calls 30 2>&1 | tee -a "$out/verify.log" || status=1

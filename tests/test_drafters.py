@@ -34,7 +34,7 @@ from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
 from lab.training.data import (DataConfig, Sequence, load_training_data, online_features, reference_sequences,
                                 target_features)
-from lab.training.losses import dflash_loss, make_batch, on_greedy_path
+from lab.training.losses import CONFIDENCE_EDGES, dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from tests.helpers import make_requests
 
@@ -372,6 +372,11 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     assert 0.0 <= metrics["top1_at_2"] <= 1.0 and "top1_at_4" not in metrics   # block 4: offsets 1..3
     for j in range(1, drafter.block_size):   # a tree's k candidates catch at least what its top-1 does
         assert metrics[f"top1_at_{j}"] <= metrics[f"top2_at_{j}"] <= metrics[f"top4_at_{j}"] <= 1.0
+    # offset 1 split by the target's confidence: the bins cover every position, and their hits are top1_first
+    shares = [metrics[f"share_conf_{lo}"] for lo in CONFIDENCE_EDGES[:-1]]
+    rights = [metrics[f"right_conf_{lo}"] for lo in CONFIDENCE_EDGES[:-1]]
+    assert sum(shares) == pytest.approx(1.0) and all(0 <= r <= s for r, s in zip(rights, shares))
+    assert sum(rights) == pytest.approx(metrics["top1_first"])
 
 
 def test_block_labels_count_only_along_the_targets_greedy_path() -> None:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from lab.profiling import ranges
 from lab.profiling.ranges import profile_range, set_ranges_enabled
 from lab.run import run
+from lab.runner import ModelRunner
+from lab.spec.dflash import DFlashProposerConfig
 from tests.conftest import compose_cfg
 
 
@@ -63,3 +68,18 @@ def test_torch_profiler_on_cuda_reports_kernels_and_idle_gaps(tmp_path: Path) ->
     results = run(cfg, tmp_path)
     assert (tmp_path / "kernels.txt").is_file()
     assert 0.0 <= results["profile/device_idle_share"] <= 1.0
+
+
+def test_bench_decode_graphs_profiles_a_speculative_step(tiny_runner: ModelRunner) -> None:
+    """experiments/bench_decode_graphs.py --profile: the engine's labelled ranges reach the table (here on CPU; the
+    GPU check runs it on an eager verify step, whose time on the H200 session 15 could not explain)."""
+    experiments = Path(__file__).resolve().parents[1] / "experiments"
+    sys.path.insert(0, str(experiments))
+    spec = importlib.util.spec_from_file_location("bench_decode_graphs", experiments / "bench_decode_graphs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    engine = bench.filled_engine(tiny_runner, 2, 20, max_tokens=16, num_spec_tokens=2,
+                                 proposer=DFlashProposerConfig(checkpoint=None, drafter={"block_size": 3}))
+    table = bench.profile_steps(engine, 2)
+    assert all(name in table for name in ("decode", "draft", "attention", "Self CPU"))
+    assert not ranges._ENABLED   # the ranges are off again after the profile

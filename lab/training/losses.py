@@ -179,7 +179,31 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
         for j in range(block - 1):
             metrics[f"top1_at_{j + 1}"] = float(correct[..., j][keep[..., j]].float().mean())
             metrics[f"run_at_least_{j + 1}"] = float((accepted >= j + 1).float().mean())
+        if probs is not None:
+            metrics.update(_first_offset_by_confidence(probs, correct[keep], keep))
     return ce, metrics
+
+
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def _first_offset_by_confidence(probs: torch.Tensor, correct: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    """Offset-1 agreement split by how sure the target is of its own greedy token there (its largest probability
+    over the draft vocabulary): `share_conf_<lo>` of the offset-1 positions fall in [lo, next edge), and at
+    `right_conf_<lo>` of all of them the target is that sure and the drafter right (shares, not ratios, so that
+    batches average without empty bins; agreement inside a bin = right / share). probs (P, N), correct (P,): the
+    kept positions in `keep`'s order."""
+    first = torch.zeros_like(keep)
+    first[..., 0] = True
+    at_first = first[keep]                                                         # (P,) offset-1 rows
+    sure = probs[at_first].amax(-1)                                                # (P1,)
+    right = correct[at_first].float()
+    metrics = {}
+    for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:]):
+        inside = (sure >= lo) & ((sure < hi) if hi < 1.0 else (sure <= hi))
+        metrics[f"share_conf_{lo}"] = float(inside.float().mean())
+        metrics[f"right_conf_{lo}"] = float((right * inside).mean())
+    return metrics
 
 
 def on_greedy_path(labels: torch.Tensor, keep: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
