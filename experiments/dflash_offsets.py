@@ -9,35 +9,54 @@ table splits offset 1 by how sure the target is of its own greedy token there. S
 checkpoints side by side:
 
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt /tmp/dflash_new.pt
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt --prompts mtbench --sequences 32
+
+`--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
+(`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
+measured on, which the held-out ShareGPT answers need not resemble.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fingerprint
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
-from lab.training.data import DataConfig, load_training_data
+from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.training.losses import CONFIDENCE_EDGES, dflash_loss
 from lab.training.recipe import evaluate
 
 
-def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int) -> dict[str, dict[str, float]]:
-    """checkpoint -> metrics averaged over `num_sequences` held-out answers (the same anchors for every checkpoint:
-    the recipe's `evaluate`, with per-offset metrics)."""
+def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cache_dir: Path, num_sequences: int,
+                       prompts: str | None, max_new_tokens: int) -> tuple[list[Sequence], list[torch.Tensor]]:
+    """The answers to evaluate on and the target's features of them: the training run's held-out answers (prompts
+    None), or the target's greedy answers to the first `num_sequences` prompts of another set."""
+    if prompts is None:
+        # NOTE: the training run's data settings (conf/train.yaml): its first answers are the validation set.
+        sequences, features = load_training_data(runner, DataConfig(num_prompts=320, feature_layers=feature_layers),
+                                                 cache_dir)
+        return sequences[:num_sequences], features[:num_sequences]
+    config = DataConfig(dataset=prompts, num_prompts=num_sequences, max_new_tokens=max_new_tokens)
+    sequences = generate_responses(runner, config, cache_dir)
+    return sequences, target_features(runner, sequences, feature_layers)
+
+
+def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
+                  max_new_tokens: int = 64) -> dict[str, dict[str, float]]:
+    """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
+    recipe's `evaluate`, with per-offset metrics)."""
     cache_dir = default_cache_dir() / "train" / target_fingerprint(runner.model)
-    data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the held-out answers and features
+    data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the answers and their features
     results = {}
     for path in paths:
         drafter = load_drafter(resolve_checkpoint(path), "dflash", runner.model, runner.source.hf_config).float()
         if drafter.feature_layers not in data:
-            # NOTE: the training run's data settings (conf/train.yaml): its first answers are the validation set.
-            sequences, features = load_training_data(
-                runner, DataConfig(num_prompts=320, feature_layers=drafter.feature_layers), cache_dir)
-            data[drafter.feature_layers] = (sequences[:num_sequences], features[:num_sequences])
+            data[drafter.feature_layers] = evaluation_answers(runner, drafter.feature_layers, cache_dir, num_sequences,
+                                                              prompts, max_new_tokens)
         loss_fn = lambda model, batch, generator: dflash_loss(   # noqa: E731
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
@@ -47,12 +66,16 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+")
-    parser.add_argument("--sequences", type=int, default=12, help="held-out answers (the training run's validation set)")
+    parser.add_argument("--sequences", type=int, default=12,
+                        help="answers: the training run's held-out ones, or with --prompts that many prompts' answers")
     parser.add_argument("--anchors", type=int, default=64, help="blocks per answer")
+    parser.add_argument("--prompts", default=None,
+                        help="mtbench, gsm8k, humaneval, sharegpt: the target's answers to these prompts instead")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the answers' length")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
-    results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors)
+    results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"
