@@ -2,9 +2,9 @@
 # The GPU check (issues 6 and 8), one device call of a few minutes: the `gpu`-marked tests (CUDA graphs replay
 # to the eager engine's tokens, torch.profiler's CUDA tables and idle gaps, NVML sampling, drafter training on
 # the GPU), then benchmarks on random-init targets (no weights travel): experiments/bench_decode_graphs.py
-# (plain decode steps, then speculative verify steps; its tables go into docs/profiling.md),
-# a profile of an eager verify step, experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting analysis) and
-# experiments/bench_train.py (drafter training speed); those go into docs/speculative.md.
+# (plain decode steps, then speculative verify steps; its tables go into docs/profiling.md), a profile of an
+# eager verify step, experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting
+# analysis) and experiments/bench_train.py (drafter training speed); those go into docs/speculative.md.
 #   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Logs and the table's JSON go to $OUT (the device tool's return folder), else outputs/gpu_check.
