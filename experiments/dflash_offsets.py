@@ -29,6 +29,7 @@ from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.training.losses import CONFIDENCE_EDGES, dflash_loss
 from lab.training.recipe import evaluate
+from lab.workloads.dataset_files import DATASETS
 
 
 def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cache_dir: Path, num_sequences: int,
@@ -69,8 +70,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=12,
                         help="answers: the training run's held-out ones, or with --prompts that many prompts' answers")
     parser.add_argument("--anchors", type=int, default=64, help="blocks per answer")
-    parser.add_argument("--prompts", default=None,
-                        help="mtbench, gsm8k, humaneval, sharegpt: the target's answers to these prompts instead")
+    parser.add_argument("--prompts", default=None, choices=sorted(DATASETS),
+                        help="the target's answers to this set's prompts instead of the held-out ShareGPT answers")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the answers' length")
     args = parser.parse_args()
     torch.set_num_threads(1)
