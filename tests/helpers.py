@@ -1,13 +1,31 @@
-"""Test helpers: requests from token ids and HF's own greedy generate as the reference."""
+"""Test helpers: requests from token ids, HF's own greedy generate as the reference, experiments/ scripts as
+modules."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from lab.engines.base import Engine
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_experiment(name: str) -> ModuleType:
+    """experiments/<name>.py as a module (experiments/ on sys.path, as when it runs as a script: its sibling imports)."""
+    if str(EXPERIMENTS) not in sys.path:
+        sys.path.insert(0, str(EXPERIMENTS))
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_requests(prompts: list[list[int]], max_tokens: int, **params: Any) -> list[Request]:
@@ -33,3 +51,17 @@ def hf_greedy(runner: ModelRunner, prompt: list[int], max_new_tokens: int, ignor
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run_one_arrival_per_step(engine: Engine, requests: list[Request]) -> list[Request]:
+    """Serve `requests` with request i admitted before the engine's step i: staggered like arrival times, but the
+    same schedule on every run (wall-clock arrivals depend on how fast each step happens to be), so two engines'
+    statistics compare."""
+    pending = list(requests)
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            engine.add_request(pending.pop(0))
+        engine.step()
+    for request in requests:
+        engine.release_request_state(request.request_id)
+    return requests

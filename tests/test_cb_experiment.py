@@ -3,25 +3,19 @@ cb_paged ratios, and a full run over a fake sweep dir that writes the four PNGs 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+from tests.helpers import load_experiment
 
 
 @pytest.fixture(scope="module")
 def cb() -> ModuleType:
-    sys.path.insert(0, str(EXPERIMENTS))
-    spec = importlib.util.spec_from_file_location("cb_analysis", EXPERIMENTS / "continuous_batching.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("continuous_batching")
 
 
 def results(engine: str, workload: str, tok_s: float, **extra: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ are written, the prompt-length axis is detected; the experiment configs compose.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,16 +13,11 @@ import pytest
 
 from lab.spec.schedule import SpecSchedule
 from tests.conftest import compose_cfg
-
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "crossover.py"
-
+from tests.helpers import load_experiment
 
 @pytest.fixture(scope="module")
 def crossover() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("crossover", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("crossover")
 
 
 SPEEDUPS = {"speculative": {1: 1.1, 4: 0.9, 16: 0.7}, "eagle": {1: 1.6, 4: 1.2, 16: 0.8},

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from lab.run import run
 from lab.runner import ModelRunner
 from lab.spec.dflash import DFlashProposerConfig
 from tests.conftest import compose_cfg
+from tests.helpers import load_experiment
 
 
 def test_torch_profiler_writes_trace_tables_and_summary(tmp_path: Path) -> None:
@@ -73,11 +72,7 @@ def test_torch_profiler_on_cuda_reports_kernels_and_idle_gaps(tmp_path: Path) ->
 def test_bench_decode_graphs_profiles_a_speculative_step(tiny_runner: ModelRunner) -> None:
     """experiments/bench_decode_graphs.py --profile: the engine's labelled ranges reach the table (here on CPU; the
     GPU check runs it on an eager verify step, whose time on the H200 session 15 could not explain)."""
-    experiments = Path(__file__).resolve().parents[1] / "experiments"
-    sys.path.insert(0, str(experiments))
-    spec = importlib.util.spec_from_file_location("bench_decode_graphs", experiments / "bench_decode_graphs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_experiment("bench_decode_graphs")
     engine = bench.filled_engine(tiny_runner, 2, 20, max_tokens=16, num_spec_tokens=2,
                                  proposer=DFlashProposerConfig(checkpoint=None, drafter={"block_size": 3}))
     table = bench.profile_steps(engine, 2)

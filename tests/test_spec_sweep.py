@@ -4,22 +4,17 @@ the table has a line per setting."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "spec_sweep.py"
-
+from tests.helpers import load_experiment
 
 @pytest.fixture(scope="module")
 def spec_sweep() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("spec_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("spec_sweep")
 
 
 def _results(workload: str, proposer: str, k: int, concurrency: int, speedup: float) -> dict:
