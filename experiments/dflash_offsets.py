@@ -11,6 +11,11 @@ checkpoints side by side:
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt /tmp/dflash_new.pt
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash.pt --prompts mtbench --sequences 32
 
+`--walk 2 7` also replays greedy speculation along every answer, as the engine runs it: a block drafted at the
+first answer token, k of its drafts verified, the next block at the token after the accepted ones. Its tau is the
+engine's for that k (no engine run needed), and it differs from the tau over every position when the drafter's
+right and wrong stretches are not spread evenly: the walk skips the positions inside accepted runs.
+
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
 (`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
 measured on, which the held-out ShareGPT answers need not resemble.
@@ -27,7 +32,7 @@ from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fin
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
-from lab.training.losses import CONFIDENCE_EDGES, dflash_loss
+from lab.training.losses import CONFIDENCE_EDGES, Batch, dflash_loss, dflash_predictions, make_batch
 from lab.training.recipe import evaluate
 from lab.workloads.dataset_files import DATASETS
 
@@ -47,9 +52,10 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
-                  max_new_tokens: int = 64) -> dict[str, dict[str, float]]:
+                  max_new_tokens: int = 64, walk_ks: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
-    recipe's `evaluate`, with per-offset metrics)."""
+    recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
+    (walk_table)."""
     cache_dir = default_cache_dir() / "train" / target_fingerprint(runner.model)
     data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the answers and their features
     results = {}
@@ -61,7 +67,42 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
         loss_fn = lambda model, batch, generator: dflash_loss(   # noqa: E731
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
+        for k, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks)).items():
+            results[path] |= {f"walk_tau_{k}": walked, f"every_tau_{k}": every}
     return results
+
+
+def walk(runs: list[int], num_spec_tokens: int) -> tuple[int, int]:
+    """(blocks drafted, drafts accepted) of greedy speculation along one answer, as the engine runs it: runs[i]
+    is how many leading drafts of the block at answer token i are right (i = 0 .. answer length - 2). A step
+    verifies up to num_spec_tokens, never past the answer's end, and advances past the accepted drafts and the
+    bonus token; with no room left it runs without drafts (SpeculativeEngine._propose)."""
+    drafts = accepted = position = 0
+    while position < len(runs):
+        budget = min(num_spec_tokens, len(runs) - 1 - position)   # the tokens still to come after the bonus one
+        kept = min(budget, runs[position]) if budget > 0 else 0
+        drafts, accepted, position = drafts + (budget > 0), accepted + kept, position + 1 + kept
+    return drafts, accepted
+
+
+@torch.inference_mode()
+def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
+               ks: list[int]) -> dict[int, tuple[float, float]]:
+    """k -> (tau along the engine's walk, tau over every answer position), pooled over the answers."""
+    drafter.eval()
+    drafts, accepted = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
+    every: dict[int, list[float]] = {k: [] for k in ks}
+    for sequence, features in zip(*answers):
+        batch: Batch = make_batch([sequence], [features], max_len=len(sequence.token_ids))
+        anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
+        if anchors.shape[1] == 0:
+            continue
+        runs = dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192).runs()[0]
+        for k in ks:
+            walked = walk([int(r) for r in runs], k)
+            drafts[k], accepted[k] = drafts[k] + walked[0], accepted[k] + walked[1]
+            every[k] += (1 + runs.clamp(max=k)).tolist()
+    return {k: (1 + accepted[k] / max(1, drafts[k]), sum(every[k]) / len(every[k])) for k in ks}
 
 
 def main() -> None:
@@ -73,10 +114,13 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, choices=sorted(DATASETS),
                         help="the target's answers to this set's prompts instead of the held-out ShareGPT answers")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the answers' length")
+    parser.add_argument("--walk", type=int, nargs="*", default=[], metavar="K",
+                        help="replay greedy speculation verifying K drafts a step: the engine's tau")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
-    results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens)
+    results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
+                            tuple(args.walk))
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"
@@ -89,6 +133,14 @@ def main() -> None:
         print(f"| {j} | " + " | ".join(cells) + " |")
     print()
     print_confidence_table(results)
+    if args.walk:
+        print("| k verified | " + " | ".join(f"tau along the walk {i} | tau at every position {i}"
+                                             for i in range(len(names))) + " |")
+        print("|---|" + "---:|---:|" * len(names))
+        for k in args.walk:
+            print(f"| {k} | " + " | ".join(f"{results[n][f'walk_tau_{k}']:.3f} | {results[n][f'every_tau_{k}']:.3f}"
+                                          for n in names) + " |")
+        print()
     for i, name in enumerate(names):
         r = results[name]
         print(f"{i}: {name}: tau {r['acceptance_length']:.3f}, ce {r['ce']:.3f}, top-1 {r['top1_acc']:.3f}")

@@ -32,11 +32,12 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
-from lab.training.data import (DataConfig, Sequence, load_training_data, online_features, reference_sequences,
-                                target_features)
+from lab.training.data import (DataConfig, Sequence, generate_responses, load_training_data, online_features,
+                               reference_sequences, target_features)
 from lab.training.losses import CONFIDENCE_EDGES, dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
-from tests.helpers import make_requests, run_one_arrival_per_step
+from lab.workloads import DatasetWorkload
+from tests.helpers import load_experiment, make_requests, run_one_arrival_per_step
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
 OPTIONS = {"eagle": {}, "dflash": {"block_size": 4, "anchors_per_seq": 8, "gamma": 4.0, "fuse_last_context": True,
@@ -378,6 +379,29 @@ def test_dflash_per_offset_metrics_add_up_to_the_acceptance_length(trained: dict
     assert sum(rights) == pytest.approx(metrics["top1_first"])
 
 
+def test_walking_the_answers_offline_gives_the_engines_acceptance(trained: dict, tiny_runner: ModelRunner) -> None:
+    """experiments/dflash_offsets.py --walk: greedy speculation replayed along the target's own answers drafts and
+    accepts what the engine does at batch 1 with the same drafter and k."""
+    offsets = load_experiment("dflash_offsets")
+    # blocks at answer tokens 0 (2 accepted), 3 (1), 5 (0), 6 (room for 1 more token: 1 of its 5 right drafts)
+    assert offsets.walk([2, 0, 0, 1, 0, 0, 5, 0], 2) == (4, 4)
+    assert offsets.walk([0, 0, 0], 2) == (2, 0)   # at token 2 only the last token is left: a step without drafts
+    prompts = _prompts(16, seed=3)[8:12]
+    path = trained["dflash"][0]
+    proposer = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None)
+    engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=2, scheduler=SchedulerConfig(max_num_seqs=1),
+                               kv_cache=KV)
+    result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+    answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+    drafter = load_drafter(path, "dflash", tiny_runner.model)
+    features = target_features(tiny_runner, answers, drafter.feature_layers)
+    walked, every = offsets.walk_table(tiny_runner, drafter, (answers, features), [2])[2]
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert walked == pytest.approx(stats["spec_decode_acceptance_length"])
+    assert 1.0 <= every <= 3.0
+
+
 def test_block_labels_count_only_along_the_targets_greedy_path() -> None:
     labels = torch.tensor([[[5, 6, 7, -100], [5, 9, 7, 8]]])                       # (S=1, M=2, B-1=4)
     keep = labels >= 0
@@ -609,6 +633,28 @@ def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_
     assert any("7 sequences" in line for line in lines), lines   # 3 own + 6 references - 2 held out
     assert list(tmp_path.glob(f"features-{data.reference_key()}-0-6-L*.pt"))
     assert 0 <= metrics["val/top1_acc"] <= 1 and metrics["val/ce"] > 0
+
+
+def test_holdout_keeps_the_benchmarks_prompts_out_of_training(tiny_text_runner: ModelRunner, tmp_path: Path) -> None:
+    """data.holdout: neither the target's answers nor the recorded ones come from the prompts a seed-0 workload
+    takes first (the benchmark's), whatever the data seed; holdout 0 keeps the caches' keys."""
+    tokenizer = tiny_text_runner.tokenizer
+    benchmark = {tuple(s.prompt_token_ids) for s in DatasetWorkload("gsm8k", num_prompts=6, max_prompt_len=256,
+                                                                      seed=0).select(tokenizer)}
+    data = DataConfig(dataset="gsm8k", num_prompts=3, max_prompt_len=256, max_new_tokens=3, reference_answers=4)
+    held_out = replace(data, holdout=8)
+    quiet = lambda _: None   # noqa: E731
+    plain = generate_responses(tiny_text_runner, data, tmp_path, quiet)
+    assert {tuple(s.token_ids[:s.prompt_len]) for s in plain} <= benchmark   # no holdout at seed 0: the same prompts
+    for config in (held_out, replace(held_out, seed=3)):
+        answers = generate_responses(tiny_text_runner, config, tmp_path, quiet)
+        references = reference_sequences(tokenizer, config, tmp_path, answers, quiet)
+        assert len(answers) == 3 and len(references) == 4
+        assert not {tuple(s.token_ids[:s.prompt_len]) for s in answers + references} & benchmark
+    assert held_out.key() != data.key() and held_out.reference_key() != data.reference_key()
+    assert data.key() == replace(data, holdout=0).key()
+    with pytest.raises(LabError, match="data.holdout must be >= 0"):
+        DataConfig(holdout=-1)
 
 
 def test_reference_features_extend_shard_by_shard(tiny_text_runner: ModelRunner, tmp_path: Path,

@@ -17,6 +17,7 @@ from lab.errors import LabError
 from lab.models.sources import convert_smollm2, default_cache_dir
 from lab.workloads import DatasetWorkload, RandomWorkload, SamplingDefaults, lengths
 from lab.workloads import dataset_files
+from lab.workloads.datasets import leading_record_ids
 from lab.workloads.dataset_files import DatasetSpec, iter_json_array, load_records, parse_sharegpt
 from tests.conftest import compose_cfg
 
@@ -113,6 +114,15 @@ def test_same_seed_same_prompts_other_seed_differs(tokenizer: Any) -> None:
 
     assert prompts(7) == prompts(7)
     assert prompts(7) != prompts(8)
+
+
+def test_excluded_records_are_never_sampled(tokenizer: Any) -> None:
+    first = DatasetWorkload("gsm8k", num_prompts=4, seed=0).select(tokenizer)
+    assert {s.record_id for s in first} <= leading_record_ids("gsm8k", 4)   # the seed's shuffle, walked in order
+    rest = DatasetWorkload("gsm8k", num_prompts=4, exclude_records=leading_record_ids("gsm8k", 2)).select(tokenizer)
+    assert [s.record_id for s in rest[:2]] == [s.record_id for s in first[2:]]
+    with pytest.raises(LabError, match="80 held out"):
+        DatasetWorkload("mtbench", num_prompts=1, exclude_records=leading_record_ids("mtbench", 80)).select(tokenizer)
 
 
 def test_reference_length_capped_and_overridden(tokenizer: Any) -> None:

@@ -12,6 +12,10 @@ the first of any larger count's (a seeded shuffle), so raising `reference_answer
 shards, and an interrupted extraction keeps the shards it finished. Cached features are memory-mapped, so a
 corpus larger than RAM trains from the page cache.
 
+`holdout` keeps the first records of the seed-0 shuffle out of every part of the corpus: the prompts a
+benchmark workload at the default seed takes, so a drafter trained on a benchmark's own prompt set (GSM8K's
+1319 test questions: no other split ships offline) is measured only on questions it never saw.
+
 `features: online` caches no features: the target computes each batch's in the training step (one batched
 forward, `online_features`). The cache holds 5 layers x H values a token (20 GB for smollm2's 3.5M tokens), so
 on a GPU, where that forward is cheap, a corpus of any size trains this way.
@@ -40,7 +44,7 @@ from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.workloads.base import SamplingDefaults
 from lab.workloads.dataset_files import load_records
-from lab.workloads.datasets import DatasetWorkload
+from lab.workloads.datasets import DatasetWorkload, leading_record_ids
 
 REFERENCE_SHARD = 1000   # reference conversations per features file (~1.5 GB for smollm2's 5 DFlash layers)
 
@@ -54,6 +58,7 @@ class DataConfig:
     max_new_tokens: int = 256
     max_num_seqs: int = 32
     reference_answers: int = 0             # more conversations with their recorded answers (prefill only)
+    holdout: int = 0                       # the first records of the seed-0 shuffle (the benchmark's) never trained on
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
 
@@ -61,6 +66,9 @@ class DataConfig:
         for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise LabError(f"data.{key} must be >= 1, got {getattr(self, key)}", f"set data.{key} to a positive integer")
+        if self.holdout < 0:
+            raise LabError(f"data.holdout must be >= 0, got {self.holdout}",
+                           "set data.holdout=0 (none) or the number of benchmark prompts to keep out of training")
         if self.reference_answers < 0:
             raise LabError(f"data.reference_answers must be >= 0, got {self.reference_answers}",
                            "set data.reference_answers=0 (none) or a positive count")
@@ -71,13 +79,16 @@ class DataConfig:
     def key(self) -> str:
         """The generated answers' cache key (the fields that decide them)."""
         skip = ("feature_layers", "reference_answers", "features")
+        skip += () if self.holdout else ("holdout",)   # NOTE: caches from before the field keep their keys
         fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def reference_key(self) -> str:
         """The reference conversations' cache key (num_prompts: the generated answers' prompts are left out).
         Not the count: the first n conversations are the same for every count >= n."""
-        fields = {k: getattr(self, k) for k in ("dataset", "seed", "num_prompts", "max_prompt_len", "max_new_tokens")}
+        keys = ("dataset", "seed", "num_prompts", "max_prompt_len", "max_new_tokens")
+        keys += ("holdout",) if self.holdout else ()
+        fields = {k: getattr(self, k) for k in keys}
         return "ref" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -87,6 +98,12 @@ class Sequence:
     prompt_len: int
 
 
+def held_out_records(config: DataConfig) -> frozenset[str]:
+    """The records training never sees: the first data.holdout of the shuffle a workload at seed 0 (conf's
+    default) walks, so a drafter trained on a benchmark's own prompt set is measured on prompts it never saw."""
+    return leading_record_ids(config.dataset, config.holdout, seed=0) if config.holdout else frozenset()
+
+
 def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print) -> list[Sequence]:
     """The target answers `num_prompts` prompts (greedy, up to max_new_tokens, stopping at EOS); cached."""
     path = cache_dir / f"responses-{config.key()}.json"
@@ -94,7 +111,8 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
         return [Sequence(**s) for s in json.loads(path.read_text())]
     workload = DatasetWorkload(config.dataset, num_prompts=config.num_prompts, seed=config.seed,
                                output_len=config.max_new_tokens, max_tokens=config.max_new_tokens,
-                               max_prompt_len=config.max_prompt_len, ignore_eos=False)
+                               max_prompt_len=config.max_prompt_len, ignore_eos=False,
+                               exclude_records=held_out_records(config))
     requests = workload.build(runner.tokenizer, runner.vocab_size, SamplingDefaults())
     engine = ContinuousBatchingEngine(runner, SchedulerConfig(max_num_seqs=config.max_num_seqs),
                                       PagedKVCacheConfig(kv_cache_memory_mb=512), name="train-data")
@@ -120,7 +138,7 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
     wanted = config.reference_answers + len(seen)
     while len(fresh) < config.reference_answers:   # more until enough are not among `skip` (prompts repeat)
         workload = DatasetWorkload(config.dataset, num_prompts=wanted, seed=config.seed + 1, max_tokens=None,
-                                   max_prompt_len=config.max_prompt_len)
+                                   max_prompt_len=config.max_prompt_len, exclude_records=held_out_records(config))
         try:
             samples = workload.select(tokenizer)
         except LabError as error:

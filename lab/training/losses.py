@@ -120,12 +120,35 @@ def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | 
     return torch.stack(anchors).to(batch.token_ids.device)
 
 
-def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
-                gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
-                per_offset: bool = False, greedy_path: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+@dataclass(slots=True)
+class BlockPredictions:
+    """A DFlash drafter's top-1 guesses for the blocks at `anchors`, scored against the target."""
+    anchors: torch.Tensor              # (S, M)
+    labels: torch.Tensor               # (S, M, B-1) the text's tokens at offsets 1..B-1, -100 past its end
+    keep: torch.Tensor                 # (S, M, B-1) bool: the positions scored
+    logits: torch.Tensor               # (P, N) the drafter's at `keep`'s positions
+    targets: torch.Tensor              # (P,) the target's greedy token there (soft labels) or the text's (hard)
+    probs: torch.Tensor | None         # (P, N) the target's distributions (soft labels), else None
+
+    @property
+    def correct(self) -> torch.Tensor:
+        """(S, M, B-1) bool: the drafter's top-1 is the label (False where not scored)."""
+        correct = torch.zeros_like(self.labels, dtype=torch.bool)
+        correct[self.keep] = self.logits.argmax(-1) == self.targets
+        return correct
+
+    def runs(self) -> torch.Tensor:
+        """(S, M): each block's leading right drafts (greedy verification accepts that many)."""
+        return torch.cumprod(self.correct.float(), dim=-1).sum(-1)
+
+
+def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
+                       draft_vocab_size: int = 0, greedy_path: bool = True) -> BlockPredictions:
+    """The drafter's block at each anchor (S, M): the anchor's token + B-1 masks, seeing the context before it;
+    labelled with the target's own distributions (its last layer among the features, over the draft vocabulary),
+    else with the text's next tokens over the whole vocabulary."""
     s, t = batch.token_ids.shape
-    block = drafter.block_size
-    anchors = sample_anchors(batch, num_anchors, generator)                        # (S, M)
+    block, num_anchors = drafter.block_size, anchors.shape[1]
     offsets = torch.arange(block, device=batch.token_ids.device)
     block_positions = (anchors[..., None] + offsets).reshape(s, -1)                # (S, M*B)
     label_positions = block_positions.clamp(max=t - 1)
@@ -154,17 +177,27 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
             probs, targets = probs[on_path[keep]], targets[on_path[keep]]
             keep = keep & on_path
     logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
-    weights = torch.exp(-(offsets[1:].float() - 1) / gamma).expand_as(labels)[keep]
+    return BlockPredictions(anchors, labels, keep, logits, targets, probs)
+
+
+def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
+                gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
+                per_offset: bool = False, greedy_path: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    block = drafter.block_size
+    blocks = dflash_predictions(drafter, target, batch, sample_anchors(batch, num_anchors, generator),
+                                draft_vocab_size, greedy_path)
+    labels, keep, logits, targets, probs = blocks.labels, blocks.keep, blocks.logits, blocks.targets, blocks.probs
+    offsets = torch.arange(1, block, device=logits.device)
+    weights = torch.exp(-(offsets.float() - 1) / gamma).expand_as(labels)[keep]
     if probs is None:
         ce = kl = F.cross_entropy(logits, targets, reduction="none")
     else:
         ce, kl = _soft_cross_entropy(logits, probs)
     kl = (kl * weights).sum() / weights.sum()
     ce = (ce * weights).sum() / weights.sum()
-    correct = torch.zeros_like(labels, dtype=torch.bool)
-    correct[keep] = logits.argmax(-1) == targets
+    correct = blocks.correct
     # NOTE: greedy acceptance length of each block = 1 + the run of correct predictions from its start.
-    accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)                      # (S, M)
+    accepted = blocks.runs()                                                       # (S, M)
     metrics = {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
                "top1_first": float(correct[..., 0][keep[..., 0]].float().mean()),   # offset 1 alone (EAGLE's task)
                "acceptance_length": float(1 + accepted.mean())}

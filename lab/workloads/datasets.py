@@ -40,11 +40,25 @@ def _positive(value: int | None, key: str) -> None:
         raise LabError(f"workload.{key} must be >= 1 (or null), got {value}", f"set workload.{key} to a positive integer")
 
 
+def shuffled_indices(num_records: int, seed: int) -> list[int]:
+    """The order a workload with this seed walks a set's records in."""
+    return np.random.default_rng(seed).permutation(num_records).tolist()
+
+
+def leading_record_ids(dataset: str, count: int, seed: int = 0, cache_dir: str | None = None) -> frozenset[str]:
+    """The ids of the first `count` records of the seed's shuffle: the prompts a workload with that seed takes
+    first, whatever its filters (it can take only these while num_prompts + its rejections <= count)."""
+    records = load_records(dataset, Path(cache_dir).expanduser() if cache_dir else None)
+    return frozenset(records[i]["id"] for i in shuffled_indices(len(records), seed)[:count])
+
+
 class DatasetWorkload:
     def __init__(self, dataset: str, num_prompts: int = 8, seed: int = 0, max_tokens: int | None = 256,
                  output_len: int | None = None, min_prompt_len: int = 4, max_prompt_len: int | None = 1024,
                  min_output_len: int = 4, max_output_len: int | None = None, use_chat_template: bool = True,
-                 ignore_eos: bool = True, name: str | None = None, cache_dir: str | None = None) -> None:
+                 ignore_eos: bool = True, name: str | None = None, cache_dir: str | None = None,
+                 exclude_records: frozenset[str] = frozenset()) -> None:
+        """exclude_records: record ids never sampled (a drafter's training set leaves out the benchmark's prompts)."""
         get_spec(dataset)
         for key, value in (("num_prompts", num_prompts), ("max_tokens", max_tokens), ("output_len", output_len),
                            ("max_prompt_len", max_prompt_len), ("max_output_len", max_output_len)):
@@ -59,6 +73,7 @@ class DatasetWorkload:
         self.min_output_len, self.max_output_len = min_output_len, max_output_len
         self.use_chat_template, self.ignore_eos = use_chat_template, ignore_eos
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else None
+        self.exclude_records = exclude_records
 
     def _encode_prompt(self, text: str, tokenizer: Any) -> list[int]:
         record = {"messages": [{"role": "user", "content": text}]} if self.use_chat_template else {"prompt": text}
@@ -120,7 +135,10 @@ class DatasetWorkload:
                            f"set workload.num_prompts to at most {len(records)}")
         samples: list[PromptSample] = []
         rejected: Counter[str] = Counter()
-        for index in np.random.default_rng(self.seed).permutation(len(records)).tolist():
+        for index in shuffled_indices(len(records), self.seed):
+            if records[index]["id"] in self.exclude_records:
+                rejected["held out"] += 1
+                continue
             sample = self._sample(records[index], tokenizer)
             if isinstance(sample, str):
                 rejected[sample] += 1
