@@ -97,7 +97,8 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
         anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
         if anchors.shape[1] == 0:
             continue
-        runs = dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192).runs()[0]
+        blocks = dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192)
+        runs = blocks.runs(of_text=True)[0]   # the answer is the target's greedy text: what verification keeps
         for k in ks:
             walked = walk([int(r) for r in runs], k)
             drafts[k], accepted[k] = drafts[k] + walked[0], accepted[k] + walked[1]

@@ -34,7 +34,7 @@ from lab.spec.suffix import SuffixProposerConfig
 from lab.training import data as training_data
 from lab.training.data import (DataConfig, Sequence, generate_responses, load_training_data, online_features,
                                reference_sequences, target_features)
-from lab.training.losses import CONFIDENCE_EDGES, dflash_loss, make_batch, on_greedy_path
+from lab.training.losses import CONFIDENCE_EDGES, BlockPredictions, dflash_loss, make_batch, on_greedy_path
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from lab.workloads import DatasetWorkload
 from tests.helpers import load_experiment, make_requests, run_one_arrival_per_step
@@ -400,6 +400,16 @@ def test_walking_the_answers_offline_gives_the_engines_acceptance(trained: dict,
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert walked == pytest.approx(stats["spec_decode_acceptance_length"])
     assert 1.0 <= every <= 3.0
+
+
+def test_runs_of_the_text_stop_where_the_targets_token_is_outside_the_draft_vocabulary() -> None:
+    """Scored against the teacher's argmax over a draft vocabulary of 10 ids, a block whose second label (id 9000)
+    lies outside it still looks right; scored against the text (what verification keeps) it stops there."""
+    logits = torch.full((3, 10), -1.0)
+    logits[torch.arange(3), torch.tensor([5, 3, 7])] = 1.0                       # the drafter's top-1: 5, 3, 7
+    labels = torch.tensor([[[5, 9000, 7]]])                                       # (S=1, M=1, B-1=3): the text
+    blocks = BlockPredictions(torch.tensor([[0]]), labels, labels >= 0, logits, torch.tensor([5, 3, 7]), None)
+    assert blocks.runs().tolist() == [[3.0]] and blocks.runs(of_text=True).tolist() == [[1.0]]
 
 
 def test_block_labels_count_only_along_the_targets_greedy_path() -> None:

@@ -132,14 +132,24 @@ class BlockPredictions:
 
     @property
     def correct(self) -> torch.Tensor:
-        """(S, M, B-1) bool: the drafter's top-1 is the label (False where not scored)."""
-        correct = torch.zeros_like(self.labels, dtype=torch.bool)
-        correct[self.keep] = self.logits.argmax(-1) == self.targets
-        return correct
+        """(S, M, B-1) bool: the drafter's top-1 is the target's (False where not scored)."""
+        return self._agree(self.targets)
 
-    def runs(self) -> torch.Tensor:
+    @property
+    def matches_text(self) -> torch.Tensor:
+        """(S, M, B-1) bool: the drafter's top-1 is the text's token. On the target's own greedy text this is what
+        verification accepts, also where the target's token lies outside the draft vocabulary (the teacher's
+        argmax over the draft vocabulary is then some other token)."""
+        return self._agree(self.labels[self.keep])
+
+    def runs(self, of_text: bool = False) -> torch.Tensor:
         """(S, M): each block's leading right drafts (greedy verification accepts that many)."""
-        return torch.cumprod(self.correct.float(), dim=-1).sum(-1)
+        return torch.cumprod((self.matches_text if of_text else self.correct).float(), dim=-1).sum(-1)
+
+    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        agree = torch.zeros_like(self.labels, dtype=torch.bool)
+        agree[self.keep] = self.logits.argmax(-1) == tokens
+        return agree
 
 
 def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
