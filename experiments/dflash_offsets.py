@@ -99,8 +99,9 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
             continue
         blocks = dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192)
         runs = blocks.runs(of_text=True)[0]   # the answer is the target's greedy text: what verification keeps
+        run_lengths = runs.long().tolist()
         for k in ks:
-            walked = walk([int(r) for r in runs], k)
+            walked = walk(run_lengths, k)
             drafts[k], accepted[k] = drafts[k] + walked[0], accepted[k] + walked[1]
             every[k] += (1 + runs.clamp(max=k)).tolist()
     return {k: (1 + accepted[k] / max(1, drafts[k]), sum(every[k]) / len(every[k])) for k in ks}

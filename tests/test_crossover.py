@@ -15,6 +15,7 @@ from lab.spec.schedule import SpecSchedule
 from tests.conftest import compose_cfg
 from tests.helpers import load_experiment
 
+
 @pytest.fixture(scope="module")
 def crossover() -> ModuleType:
     return load_experiment("crossover")

@@ -408,7 +408,7 @@ def test_runs_of_the_text_stop_where_the_targets_token_is_outside_the_draft_voca
     logits = torch.full((3, 10), -1.0)
     logits[torch.arange(3), torch.tensor([5, 3, 7])] = 1.0                       # the drafter's top-1: 5, 3, 7
     labels = torch.tensor([[[5, 9000, 7]]])                                       # (S=1, M=1, B-1=3): the text
-    blocks = BlockPredictions(torch.tensor([[0]]), labels, labels >= 0, logits, torch.tensor([5, 3, 7]), None)
+    blocks = BlockPredictions(labels, labels >= 0, logits, torch.tensor([5, 3, 7]), None)
     assert blocks.runs().tolist() == [[3.0]] and blocks.runs(of_text=True).tolist() == [[1.0]]
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import record_function
 
-from lab.profiling import ranges
 from lab.profiling.ranges import profile_range, set_ranges_enabled
 from lab.run import run
 from lab.runner import ModelRunner
@@ -77,4 +77,4 @@ def test_bench_decode_graphs_profiles_a_speculative_step(tiny_runner: ModelRunne
                                  proposer=DFlashProposerConfig(checkpoint=None, drafter={"block_size": 3}))
     table = bench.profile_steps(engine, 2)
     assert all(name in table for name in ("decode", "draft", "attention", "Self CPU"))
-    assert not ranges._ENABLED   # the ranges are off again after the profile
+    assert not isinstance(profile_range("probe"), record_function)   # the ranges are off again after the profile

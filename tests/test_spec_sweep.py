@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers import load_experiment
 
+
 @pytest.fixture(scope="module")
 def spec_sweep() -> ModuleType:
     return load_experiment("spec_sweep")

@@ -134,11 +134,12 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
     if path.is_file():
         return [Sequence(**s) for s in json.loads(path.read_text())]
     seen = {tuple(s.token_ids[:s.prompt_len]) for s in skip}
+    held_out = held_out_records(config)
     fresh: list[Any] = []
     wanted = config.reference_answers + len(seen)
     while len(fresh) < config.reference_answers:   # more until enough are not among `skip` (prompts repeat)
         workload = DatasetWorkload(config.dataset, num_prompts=wanted, seed=config.seed + 1, max_tokens=None,
-                                   max_prompt_len=config.max_prompt_len, exclude_records=held_out_records(config))
+                                   max_prompt_len=config.max_prompt_len, exclude_records=held_out)
         try:
             samples = workload.select(tokenizer)
         except LabError as error:

@@ -122,8 +122,7 @@ def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator | 
 
 @dataclass(slots=True)
 class BlockPredictions:
-    """A DFlash drafter's top-1 guesses for the blocks at `anchors`, scored against the target."""
-    anchors: torch.Tensor              # (S, M)
+    """A DFlash drafter's top-1 guesses for the blocks at some anchors (S, M), scored against the target."""
     labels: torch.Tensor               # (S, M, B-1) the text's tokens at offsets 1..B-1, -100 past its end
     keep: torch.Tensor                 # (S, M, B-1) bool: the positions scored
     logits: torch.Tensor               # (P, N) the drafter's at `keep`'s positions
@@ -187,7 +186,7 @@ def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batc
             probs, targets = probs[on_path[keep]], targets[on_path[keep]]
             keep = keep & on_path
     logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
-    return BlockPredictions(anchors, labels, keep, logits, targets, probs)
+    return BlockPredictions(labels, keep, logits, targets, probs)
 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
