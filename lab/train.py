@@ -2,6 +2,7 @@
 
     lab-train drafter=dflash                      # smollm2, writes checkpoints/smollm2/dflash.pt
     lab-train drafter=eagle train.steps=300 output=/tmp/eagle.pt
+    lab-train drafter=dflash 'data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.5}]'   # two datasets
 
 Data (the target's own answers to ShareGPT prompts) and target features are made once and cached under
 $LAB_CACHE/train/<target fingerprint>/. The checkpoint records this exact command. Each run is one W&B run

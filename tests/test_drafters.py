@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from lab.drafters import load_drafter, target_fingerprint
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -665,6 +666,49 @@ def test_holdout_keeps_the_benchmarks_prompts_out_of_training(tiny_text_runner: 
     assert data.key() == replace(data, holdout=0).key()
     with pytest.raises(LabError, match="data.holdout must be >= 0"):
         DataConfig(holdout=-1)
+
+
+def test_mix_trains_one_drafter_on_several_datasets(tiny_text_runner: ModelRunner, tmp_path: Path) -> None:
+    """data.mix: another dataset's target answers join the corpus, cached exactly as a run on that dataset alone
+    caches them; each part validates on its own first answers, and early stopping reads their mean by share."""
+    data = DataConfig(num_prompts=6, max_prompt_len=64, max_new_tokens=6,
+                      mix=[{"dataset": "gsm8k", "num_prompts": 6, "holdout": 4, "share": 0.25}])
+    (main, main_share), (extra, extra_share) = data.parts()
+    alone = DataConfig(dataset="gsm8k", num_prompts=6, max_prompt_len=64, max_new_tokens=6, holdout=4)
+    assert extra.key() == alone.key() and main.key() == data.key() == replace(data, mix=()).key()
+    assert (main_share, extra_share) == (0.75, 0.25) and extra.reference_answers == 0
+    train = TrainConfig(steps=2, batch_size=2, max_seq_len=80, val_sequences=2, log_every=1000, val_every=0)
+    lines: list[str] = []
+    metrics = train_drafter("eagle", tiny_text_runner, data, train, {"draft_vocab_size": 512}, tmp_path / "eagle.pt",
+                            "test", tmp_path, log=lines.append)
+    sizes = [len(json.loads((tmp_path / f"responses-{c.key()}.json").read_text())) for c in (main, alone)]
+    assert any(f"{sum(sizes) - 4} sequences" in line for line in lines), lines   # each part's first 2 validate
+    mean = 0.75 * metrics["val/sharegpt/ce"] + 0.25 * metrics["val/gsm8k/ce"]
+    assert metrics["val/ce"] == pytest.approx(mean, abs=1e-3)
+
+
+def test_mix_draws_by_share_and_refuses_bad_parts() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lab.run import CONF_DIR
+    from lab.training.recipe import _sampler
+
+    draws = _sampler([10, 30], [0.75, 0.25], torch.Generator().manual_seed(0))(4000)
+    assert 0.72 < sum(i < 10 for i in draws) / 4000 < 0.78 and max(draws) < 40
+    uniform = _sampler([10, 30], [None, None], torch.Generator().manual_seed(0))(50)
+    assert uniform == torch.randint(40, (50,), generator=torch.Generator().manual_seed(0)).tolist()   # as unmixed
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.5}]"])
+    parts = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True)).parts()
+    assert [(c.dataset, c.num_prompts, c.holdout, share) for c, share in parts] == [
+        ("sharegpt", 320, 0, 0.5), ("gsm8k", 1000, 256, 0.5)]
+    for mix, match in [([{"dataset": "gsm8k"}], "needs a dataset and num_prompts"),
+                       ([{"dataset": "gsm8k", "num_prompts": 9, "seed": 3}], r"unknown keys \['seed'\]"),
+                       ([{"dataset": "gsm8k", "num_prompts": 9, "share": 0.3}, {"dataset": "mtbench", "num_prompts": 9}],
+                        "for some parts only"),
+                       ([{"dataset": "gsm8k", "num_prompts": 9, "share": 1.0}], "sum below 1")]:
+        with pytest.raises(LabError, match=match):
+            DataConfig(mix=mix)
 
 
 def test_reference_features_extend_shard_by_shard(tiny_text_runner: ModelRunner, tmp_path: Path,

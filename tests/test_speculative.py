@@ -165,16 +165,19 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-@pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_gsm8k", "dflash_gsm8k"])
+@pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
+                                      "eagle_gsm8k", "dflash_gsm8k"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
-    """The real model; eagle and dflash draft with the committed checkpoints (checkpoints/smollm2/: the general
-    ones and those trained on GSM8K's questions)."""
+    """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
+    trained on ShareGPT and GSM8K's questions; those on ShareGPT alone; those trained further on GSM8K alone)."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
     expected = [r.output_token_ids for r in AREngine(smollm2_runner).run(make_requests(prompts, 24)).requests]
     config = {"layerskip": LayerSkipProposerConfig(num_layers=10), "ngram": NgramProposerConfig(),
               "eagle": EagleProposerConfig(), "dflash": DFlashProposerConfig(),
+              "eagle_sharegpt": EagleProposerConfig(checkpoint="checkpoints/smollm2/eagle.pt"),
+              "dflash_sharegpt": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash.pt"),
               "eagle_gsm8k": EagleProposerConfig(checkpoint="checkpoints/smollm2/eagle_gsm8k.pt"),
               "dflash_gsm8k": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_gsm8k.pt")}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),

@@ -184,7 +184,7 @@ class DFlashProposerConfig:
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null)."""
 
-    checkpoint: str | None = "checkpoints/smollm2/dflash.pt"
+    checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192

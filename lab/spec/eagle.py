@@ -121,7 +121,7 @@ class EagleProposerConfig:
     the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
     confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py)."""
 
-    checkpoint: str | None = "checkpoints/smollm2/eagle.pt"
+    checkpoint: str | None = "checkpoints/smollm2/eagle_mix.pt"
     seed: int = 0
     draft_vocab_size: int = 8192
     half_weights: bool = True

@@ -16,6 +16,10 @@ corpus larger than RAM trains from the page cache.
 benchmark workload at the default seed takes, so a drafter trained on a benchmark's own prompt set (GSM8K's
 1319 test questions: no other split ships offline) is measured only on questions it never saw.
 
+`mix` adds other datasets' target answers to the corpus, each part cached as its own run's would be (a
+GSM8K part reuses the answers and features of `data.dataset=gsm8k` with the same settings), each with an
+optional `share` of the training draws: one drafter for both prompt sets instead of one per set.
+
 `features: online` caches no features: the target computes each batch's in the training step (one batched
 forward, `online_features`). The cache holds 5 layers x H values a token (20 GB for smollm2's 3.5M tokens), so
 on a GPU, where that forward is cheap, a corpus of any size trains this way.
@@ -30,7 +34,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +65,11 @@ class DataConfig:
     holdout: int = 0                       # the first records of the seed-0 shuffle (the benchmark's) never trained on
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
+    mix: tuple[dict[str, Any], ...] = ()   # more parts: {dataset, num_prompts, holdout?, reference_answers?, share?}
 
     def __post_init__(self) -> None:
+        self.mix = tuple(dict(entry) for entry in self.mix)
+        _check_mix(self.mix)
         for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise LabError(f"data.{key} must be >= 1, got {getattr(self, key)}", f"set data.{key} to a positive integer")
@@ -78,7 +85,7 @@ class DataConfig:
 
     def key(self) -> str:
         """The generated answers' cache key (the fields that decide them)."""
-        skip = ("feature_layers", "reference_answers", "features")
+        skip = ("feature_layers", "reference_answers", "features", "mix")
         skip += () if self.holdout else ("holdout",)   # NOTE: caches from before the field keep their keys
         fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
@@ -92,10 +99,51 @@ class DataConfig:
         return "ref" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
 
+    def parts(self) -> list[tuple[DataConfig, float | None]]:
+        """(each part's own data config, its share of the training draws or None): this config without its mix,
+        then every mix entry over this config's generation settings (seed, lengths), with no references or
+        holdout of its own unless it names them."""
+        primary = replace(self, mix=())
+        own = {"reference_answers": 0, "holdout": 0}
+        extra = [(replace(primary, **(own | {k: v for k, v in entry.items() if k != "share"})), entry.get("share"))
+                 for entry in self.mix]
+        shares = [share for _, share in extra]
+        rest = None if not shares or shares[0] is None else 1.0 - sum(shares)
+        return [(primary, rest), *extra]
+
+
+MIX_KEYS = ("dataset", "num_prompts", "holdout", "reference_answers", "max_prompt_len", "max_new_tokens", "share")
+
+
+def _check_mix(mix: tuple[dict[str, Any], ...]) -> None:
+    example = "data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.5}]"
+    for entry in mix:
+        unknown = sorted(set(entry) - set(MIX_KEYS))
+        if unknown or "dataset" not in entry or "num_prompts" not in entry:
+            problem = f"unknown keys {unknown}" if unknown else "a part needs a dataset and num_prompts"
+            raise LabError(f"data.mix entry {entry}: {problem}", f"give each part some of {list(MIX_KEYS)}: {example}")
+    shares = [entry.get("share") for entry in mix]
+    if any(share is None for share in shares) and any(share is not None for share in shares):
+        raise LabError(f"data.mix: shares {shares} for some parts only",
+                       "give every part a share (the main dataset takes the rest) or none (draws in proportion to size)")
+    if shares and shares[0] is not None and (min(shares) <= 0 or sum(shares) >= 1):
+        raise LabError(f"data.mix: shares {shares} must be > 0 and sum below 1 (the main dataset takes the rest)",
+                       "lower the parts' shares")
+
+
 @dataclass(slots=True)
 class Sequence:
     token_ids: list[int]   # prompt + the target's greedy answer
     prompt_len: int
+
+
+@dataclass(slots=True)
+class CorpusPart:
+    """One dataset's share of a training corpus (DataConfig.parts)."""
+    name: str                                 # its dataset
+    sequences: list[Sequence]
+    features: list[torch.Tensor] | None       # None: data.features=online
+    share: float | None                       # of the training draws; None: in proportion to its size
 
 
 def held_out_records(config: DataConfig) -> frozenset[str]:
@@ -202,6 +250,16 @@ def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path,
         key = f"{config.reference_key()}-{start}-{start + len(shard)}"
         features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log)
     return answers + references, features
+
+
+def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print) -> list[CorpusPart]:
+    """Every part of config.parts(), each loaded (and cached) as a run on its own data config would."""
+    parts = []
+    for part, share in config.parts():
+        sequences, features = load_training_data(runner, part, cache_dir, log)
+        repeats = sum(p.name.split("#")[0] == part.dataset for p in parts)
+        parts.append(CorpusPart(f"{part.dataset}#{repeats}" if repeats else part.dataset, sequences, features, share))
+    return parts
 
 
 def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],

@@ -31,7 +31,7 @@ from lab.logging import NullLogger
 from lab.models.decoder import DecoderModel
 from lab.models.sources import default_cache_dir
 from lab.runner import ModelRunner
-from lab.training.data import DataConfig, load_training_data, online_features
+from lab.training.data import DataConfig, load_corpus, online_features
 from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
 
 
@@ -193,19 +193,27 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         p.requires_grad_(False)
     data.feature_layers = tuple(drafter.feature_layers)
     cache_dir = cache_dir or default_cache_dir() / "train" / target_fingerprint(target_model)
-    sequences, features = load_training_data(target, data, cache_dir, log)   # features None: data.features=online
-    if len(sequences) <= train.val_sequences:
-        raise LabError(f"only {len(sequences)} training sequences", "raise data.num_prompts")
-    compute = online_features(target, data.feature_layers) if features is None else None
-    val = (sequences[:train.val_sequences], None if features is None else features[:train.val_sequences])
-    sequences = sequences[train.val_sequences:]
-    features = None if features is None else features[train.val_sequences:]
+    parts = load_corpus(target, data, cache_dir, log)   # features None: data.features=online
+    for part in parts:
+        if len(part.sequences) <= train.val_sequences:
+            raise LabError(f"only {len(part.sequences)} training sequences of {part.name}",
+                           "raise its num_prompts (data.num_prompts, or the data.mix entry's)")
+    online = parts[0].features is None
+    compute = online_features(target, data.feature_layers) if online else None
+    # NOTE: every part's first answers validate (its own held-out set); the rest train.
+    vals = [(p.name, (p.sequences[:train.val_sequences], None if online else p.features[:train.val_sequences]))
+            for p in parts]
+    sequences = [s for p in parts for s in p.sequences[train.val_sequences:]]
+    features = None if online else [f for p in parts for f in p.features[train.val_sequences:]]
+    draw = _sampler([len(p.sequences) - train.val_sequences for p in parts], [p.share for p in parts], generator)
+    val_weights = [p.share or len(p.sequences) for p in parts]
     loss_fn = _objective(kind, options, target_model)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=train.lr,
                                   weight_decay=train.weight_decay, betas=(0.9, 0.95))
     log(f"training {kind}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, "
         f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
-    before = evaluate(drafter, loss_fn, val, train.max_seq_len, compute)
+    validate = lambda: evaluate_parts(drafter, loss_fn, vals, val_weights, train.max_seq_len, compute)   # noqa: E731
+    before = validate()
     log(f"step 0 validation {json.dumps(before)}")
     logger.log_series("val", [{"step": 0, **before}], "step")
     start = time.perf_counter()
@@ -215,7 +223,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
     stop = _StopOnSignal()
     for step in stop.steps(steps_done):
-        index = torch.randint(len(sequences), (train.batch_size,), generator=generator).tolist()
+        index = draw(train.batch_size)
         batch = make_batch([sequences[i] for i in index], None if features is None else [features[i] for i in index],
                            train.max_seq_len, target.device, compute)
         for group in optimizer.param_groups:
@@ -232,14 +240,14 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
             logger.log_series("train", [{"step": step + 1, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
                                          "seconds": time.perf_counter() - start, **metrics}], "step")
         if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
-            best = _keep_best(best, step + 1, evaluate(drafter, loss_fn, val, train.max_seq_len, compute), drafter, log, logger)
+            best = _keep_best(best, step + 1, validate(), drafter, log, logger)
     if stop.signal:   # NOTE: the recorded command ends where this run did, so it still re-creates these weights
         steps_done = stop.steps_done
         log(f"{stop.signal}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
         earlier, _, last = command.rpartition(" && ")
         last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
         command = f"{earlier} && {last}" if earlier else last
-    best = _keep_best(best, steps_done, evaluate(drafter, loss_fn, val, train.max_seq_len, compute), drafter, log, logger)
+    best = _keep_best(best, steps_done, validate(), drafter, log, logger)
     drafter.load_state_dict(best.state)
     after = best.metrics
     log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
@@ -265,6 +273,34 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
     return lambda drafter, batch, generator: dflash_loss(
         drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
         options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True))
+
+
+def _sampler(sizes: list[int], shares: list[float | None], generator: torch.Generator) -> Callable[[int], list[int]]:
+    """count -> indices into the parts' training sequences laid end to end: uniform over all of them (shares
+    None), or each draw from a part picked by its share, then uniform within it."""
+    if shares[0] is None:
+        return lambda count: torch.randint(sum(sizes), (count,), generator=generator).tolist()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    weights = torch.tensor(shares, dtype=torch.float64)
+
+    def draw(count: int) -> list[int]:
+        picked = torch.multinomial(weights, count, replacement=True, generator=generator).tolist()
+        return [starts[p] + int(torch.randint(sizes[p], (1,), generator=generator)) for p in picked]
+
+    return draw
+
+
+def evaluate_parts(drafter: nn.Module, loss_fn: Objective, vals: list[tuple[str, tuple[list, list | None]]],
+                   weights: list[float], max_len: int,
+                   compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """`evaluate` on each part's validation set; with several parts, their mean by `weights` (the training draws'
+    mixture) and every part's own metrics as `<part>/<metric>`."""
+    if len(vals) == 1:
+        return evaluate(drafter, loss_fn, vals[0][1], max_len, compute_features)
+    each = {name: evaluate(drafter, loss_fn, val, max_len, compute_features) for name, val in vals}
+    total = sum(weights)
+    mean = {k: sum(w * metrics[k] for w, metrics in zip(weights, each.values())) / total for k in each[vals[0][0]]}
+    return _round(mean) | {f"{name}/{k}": v for name, metrics in each.items() for k, v in metrics.items()}
 
 
 @torch.no_grad()
