@@ -98,7 +98,6 @@ class DataConfig:
         fields = {k: getattr(self, k) for k in keys}
         return "ref" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
-
     def parts(self) -> list[tuple[DataConfig, float | None]]:
         """(each part's own data config, its share of the training draws or None): this config without its mix,
         then every mix entry over this config's generation settings (seed, lengths), with no references or
