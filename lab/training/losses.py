@@ -143,12 +143,17 @@ class BlockPredictions:
 
     def runs(self, of_text: bool = False) -> torch.Tensor:
         """(S, M): each block's leading right drafts (greedy verification accepts that many)."""
-        return torch.cumprod((self.matches_text if of_text else self.correct).float(), dim=-1).sum(-1)
+        return leading_runs(self.matches_text if of_text else self.correct)
 
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
         agree = torch.zeros_like(self.labels, dtype=torch.bool)
         agree[self.keep] = self.logits.argmax(-1) == tokens
         return agree
+
+
+def leading_runs(agree: torch.Tensor) -> torch.Tensor:
+    """(S, M, B-1) bool -> (S, M): how many of each block's drafts are right before its first wrong one."""
+    return torch.cumprod(agree.float(), dim=-1).sum(-1)
 
 
 def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
@@ -206,7 +211,7 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     ce = (ce * weights).sum() / weights.sum()
     correct = blocks.correct
     # NOTE: greedy acceptance length of each block = 1 + the run of correct predictions from its start.
-    accepted = blocks.runs()                                                       # (S, M)
+    accepted = leading_runs(correct)                                               # (S, M)
     metrics = {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
                "top1_first": float(correct[..., 0][keep[..., 0]].float().mean()),   # offset 1 alone (EAGLE's task)
                "acceptance_length": float(1 + accepted.mean())}
