@@ -12,7 +12,13 @@ split over the N threads of --threads.
 all rows) against oneDNN on its prepacked weight (what PackedLinear used for 2+ rows before), as time per
 call over the native one-row time of the same shape.
 
+`--floor` (with --rows) adds a third table: the arithmetic floor of M rows. The kernel runs on one weight that
+stays in the L3 cache (gate_up's 7 MB), so no call waits on DRAM and M rows cost what their FMAs cost; that rate
+against the one-row DRAM rate of the streaming table says how many one-row calls M rows can never go below on
+this core, however the weight traffic is hidden under the arithmetic (docs/speculative.md, session 19).
+
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
+    python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--rows", default="", help="comma-separated row counts for the few-rows table")
+    parser.add_argument("--floor", action="store_true", help="also the arithmetic floor of each row count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native_gemv.load_kernel()
@@ -64,6 +71,7 @@ def main() -> None:
             variants[f"native-{args.threads}t"] = lambda x, w: kernel.gemv(x, w, None, 0)
     print("| shape | MB | " + " | ".join(f"{v} GB/s" for v in variants) + " |")
     print("|---|---:|" + "---:|" * len(variants))
+    dram_gbps: list[float] = []
     with torch.inference_mode():
         for name, (out, inn) in SHAPES.items():
             nbytes = out * inn * 4
@@ -75,10 +83,14 @@ def main() -> None:
             for vname, fn in variants.items():
                 seconds = time_variant(fn, col if vname == "mkl-colmajor" else row, x, args.reps)
                 cells.append(f"{nbytes / seconds / 1e9:.1f}")
+                if vname == "native":
+                    dram_gbps.append(nbytes / seconds / 1e9)
             print(f"| {name} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |")
             del row, col
         if args.rows and kernel is not None:
             few_rows_table(kernel, [int(m) for m in args.rows.split(",")], args.reps)
+            if args.floor:
+                floor_table(kernel, [int(m) for m in args.rows.split(",")], statistics.median(dram_gbps))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
@@ -100,6 +112,20 @@ def few_rows_table(kernel, row_counts: list[int], reps: int) -> None:
             cells += [f"{native / one_row:.2f}", f"{dnn / one_row:.2f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
         del weights, packed
+
+
+def floor_table(kernel, row_counts: list[int], dram_gbps: float, calls: int = 300) -> None:
+    """Per row count M: the kernel on one cache-resident weight (no DRAM traffic), as weight GB/s, 8-wide FMAs
+    per ns, and its time in one-row DRAM calls (dram_gbps: the streaming table's median native rate)."""
+    out, inn = SHAPES["gate_up 576->3072"]
+    weight = torch.randn(out, inn)
+    print(f"\n| rows | cache-resident weight GB/s | 8-wide FMAs per ns | floor (one-row DRAM calls at {dram_gbps:.1f} GB/s) |")
+    print("|---:|---:|---:|---:|")
+    for m in row_counts:
+        x = torch.randn(1, m, inn)
+        seconds = time_variant(lambda x, w: kernel.gemv(x, w, None, 1), [weight] * calls, x, 5)
+        gbps = out * inn * 4 / seconds / 1e9
+        print(f"| {m} | {gbps:.1f} | {out * inn * m / 8 / seconds / 1e9:.2f} | {max(dram_gbps / gbps, 0):.2f} |")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, p
                                        project_rows, use_half_weights)
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
-from tests.helpers import make_requests
+from tests.helpers import load_experiment, make_requests
 
 needs_kernel = pytest.mark.skipif(native_gemv.load_kernel() is None, reason="the native GEMV cannot be built here")
 
@@ -340,3 +340,15 @@ def test_ar_greedy_tokens_and_logits_same_with_and_without_kernels(count_gemv: l
     assert count_gemv[0] > 0
     assert outputs[0] == outputs[1]
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_bench_gemv_floor_prints_one_row_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """experiments/bench_gemv.py --floor: the arithmetic floor of each row count against a given DRAM rate."""
+    bench = load_experiment("bench_gemv")
+    bench.floor_table(native_gemv._KERNEL, [1, 3], dram_gbps=20.0, calls=2)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(rows) == 2
+    for row in rows:
+        gbps, fmas, floor = (float(cell) for cell in row.strip("|").split("|")[1:])
+        assert gbps > 0 and fmas > 0 and floor == pytest.approx(20.0 / gbps, abs=0.01)
