@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
+from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
 from lab.models import native_gemv
 from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights,
                                        project_rows, use_half_weights)
@@ -257,6 +258,53 @@ def test_fused_decode_layers_are_bit_identical_to_the_module_path(attention_bias
                 logits.append(runner.execute(token, torch.tensor([[position]]), cache))
             assert torch.equal(logits[0], logits[1]), f"step at position {position}"
     assert calls[0] == 21, "every decode step of the fused runner takes the one-call path"
+    for layer in range(3):
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer])
+        assert torch.equal(caches[0].v[layer], caches[1].v[layer])
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qkv_bias"])
+def test_fused_paged_steps_are_bit_identical_to_the_module_path(attention_bias: bool) -> None:
+    """Steps of a few tokens per request on the paged cache (decodes, verify steps) run all layers in one native
+    call (paged_step_layers); hidden states, the captured features and the cache equal the per-module path's
+    exactly. A prefill chunk (> 8 tokens) or more than NATIVE_MAX_ROWS tokens keeps the module path."""
+    source = tiny(seed=3, num_hidden_layers=3, with_tokenizer=False, vocab_size=96,
+                  model_type="qwen2" if attention_bias else "llama")
+    runners = [ModelRunner(source, dtype="float32", device="cpu") for _ in range(2)]
+    runners[1].model._fused_layers = []                  # NOTE: [] = the fused paths are off for this model
+    config = runners[0].config
+    caches = [BlockKVCache(config.num_layers, config.num_kv_heads, config.head_dim, 16, 4, torch.float32,
+                           torch.device("cpu"), backend="native") for _ in runners]   # 2 requests x 8 blocks of 4
+    calls = [0]
+    real = native_gemv.paged_step_layers
+
+    def counting(*args: object) -> list[torch.Tensor]:
+        calls[0] += 1
+        return real(*args)
+
+    tables = [list(range(8)), list(range(8, 16))]
+    lengths = [0, 0]
+    generator = torch.Generator().manual_seed(0)
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(native_gemv, "paged_step_layers", counting)
+        for fed in [(10, 9), (3, 2), (1, 1), (5, 7), (6, 7)]:   # prefill, verify, decode, short chunks, 13 tokens
+            seqs = [SeqSlice(t, n, q) for t, n, q in zip(tables, lengths, fed)]
+            ids = torch.randint(0, 96, (1, sum(fed)), generator=generator)
+            positions = torch.tensor([[n + j for n, q in zip(lengths, fed) for j in range(q)]])
+            outputs = []
+            for runner, cache in zip(runners, caches):
+                cache.begin_step(seqs)
+                outputs.append(runner.model.forward_with_features(ids, positions, cache, (0, 2)))
+            assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1]), fed
+            lengths = [n + q for n, q in zip(lengths, fed)]
+            hidden = []
+            for runner, cache in zip(runners, caches):   # NOTE: then a decode of both requests (model.forward)
+                cache.begin_step([SeqSlice(t, n, 1) for t, n in zip(tables, lengths)])
+                hidden.append(runner.model(ids[:, :2], torch.tensor([lengths]), cache))
+            assert torch.equal(hidden[0], hidden[1]), f"decode after {fed}"
+            lengths = [n + 1 for n in lengths]
+    assert calls[0] == 3 + 5, "the verify, decode and short-chunk steps and every decode take the one-call path"
     for layer in range(3):
         assert torch.equal(caches[0].k[layer], caches[1].k[layer])
         assert torch.equal(caches[0].v[layer], caches[1].v[layer])

@@ -76,6 +76,16 @@ class BlockKVCache:
         self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k.transpose(0, 1))
         self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
+    def native_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slot_mapping (N,), tables (N, nb), lens (N,)) when the native backend attends every token of this step
+        as one kernel row (a decode or verify step, fp32 on CPU), so the model may run all its layers in one
+        native call (native_gemv.paged_step_layers) instead of `attend` per layer; else None."""
+        kernel_rows = getattr(self.backend, "kernel_rows", None)
+        rows = kernel_rows(self._meta) if kernel_rows is not None and self.index is not None else None
+        if rows is None or rows[1].numel() != self.index.slot_mapping.numel():
+            return None
+        return self.index.slot_mapping, rows[0], rows[1]
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, N, Hq, D), k/v (1, N, Hkv, D) -> (1, N, Hq, D)."""
         # NOTE: every token's KV is written before any attention, so a request that hit a prefix block

@@ -86,6 +86,13 @@ class NativeAttention:
         return NativeMeta(len(lens), tables.to(cache.device), torch.tensor(lens, dtype=torch.long).to(cache.device),
                           chunks)
 
+    def kernel_rows(self, meta: NativeMeta | SplitMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(tables, lens) of paged_decode's rows when the step has no chunk for SplitAttention, every token a
+        kernel row (decodes, verify steps); else None."""
+        if isinstance(meta, NativeMeta) and meta.num_rows and not meta.chunks.decodes and not meta.chunks.chunks:
+            return meta.tables, meta.lens
+        return None
+
     def attend(self, cache: BlockKVCache, meta: NativeMeta | SplitMeta, layer_idx: int, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k/v (N, Hkv, D) of this step (already stored) -> (N, Hq, D)."""

@@ -15,9 +15,11 @@ from torch import nn
 
 from lab.errors import LabError
 from lab.kv_cache.base import AttentionCache
+from lab.kv_cache.block_kv import BlockKVCache
 from lab.kv_cache.contiguous import ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
+from lab.models.packed_linear import NATIVE_MAX_ROWS
 from lab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -117,20 +119,39 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
         cos, sin = self.rotary(positions)      # (B, T, 1, D)
-        fused = isinstance(cache, ContiguousKVCache) and native_gemv.usable(x, self.embed_tokens.weight)
-        rows = cache.native_decode_rows() if fused else None
-        layers = self._native_decode_layers() if rows is not None else None
-        if layers is not None:
-            # NOTE: batch-1 decode on the contiguous cache: all layers in one native call, the same kernels in
-            # the same order as the loop below (bit-identical), without the Python between them (~20 % of
-            # the step; docs/benchmarks.md).
-            c = self.config
-            x = native_gemv.decode_layers(x, layers, rows[0], rows[1], cos, sin, cache.start, c.num_heads,
-                                          c.num_kv_heads, self.norm.eps, c.head_dim ** -0.5)
-        else:
-            for layer in self.layers:
-                x = layer(x, cos, sin, cache)
-        return self.norm(x)
+        return self.norm(self._run_layers(x, cos, sin, cache, ())[0])
+
+    def _run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache,
+                    feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x (B, T, H) through every layer -> (the residual stream after the last, {i: the stream after layer i}
+        for i in feature_layers).
+        NOTE: a batch-1 decode on the contiguous cache, and a step of a few tokens per request on the paged
+        cache (decodes, verify steps: up to NATIVE_MAX_ROWS tokens in all), run all layers in one native call:
+        the same kernels in the same order as the loop below (bit-identical), without the Python between them
+        (~20 % of a batch-1 step on the contiguous cache, docs/benchmarks.md; ~25 % on the paged one,
+        docs/speculative.md, session 19)."""
+        layers = self._native_decode_layers() if native_gemv.usable(x, self.embed_tokens.weight) else None
+        c = self.config
+        if layers is not None and not feature_layers and isinstance(cache, ContiguousKVCache):
+            rows = cache.native_decode_rows()
+            if rows is not None:
+                x = native_gemv.decode_layers(x, layers, rows[0], rows[1], cos, sin, cache.start, c.num_heads,
+                                              c.num_kv_heads, self.norm.eps, c.head_dim ** -0.5)
+                return x, {}
+        if (layers is not None and isinstance(cache, BlockKVCache) and x.shape[0] == 1
+                and x.shape[1] <= NATIVE_MAX_ROWS):
+            step = cache.native_step()
+            if step is not None:
+                capture = sorted(set(feature_layers))
+                out = native_gemv.paged_step_layers(x, layers, cache.k, cache.v, cos, sin, *step, c.num_heads,
+                                                    c.num_kv_heads, self.norm.eps, c.head_dim ** -0.5, capture)
+                return out[0], dict(zip(capture, out[1:]))
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache)
+            if i in feature_layers:
+                captured[i] = x
+        return x, captured
 
     def _native_decode_layers(self) -> list[list[torch.Tensor]] | None:
         """Per layer the 7 tensors native_gemv.decode_layers reads, or None where the fused path cannot run
@@ -155,11 +176,7 @@ class DecoderModel(nn.Module):
         (hidden (B, T, H), features (B, T, len(feature_layers) * H)). EAGLE and DFlash drafters read these."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache)
-            if i in feature_layers:
-                captured[i] = x
+        x, captured = self._run_layers(x, cos, sin, cache, feature_layers)
         return self.norm(x), torch.cat([captured[i] for i in feature_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,8 +27,12 @@ class EarlyExitModel(nn.Module):
         self.embed_tokens, self.norm, self.rotary, self.lm_head = (model.embed_tokens, model.norm, model.rotary,
                                                                    model.lm_head)
         self.layers = nn.ModuleList(list(model.layers)[:num_layers])
+        self._fused_layers: list[list[torch.Tensor]] | None = None
 
+    # NOTE: the target's forward over fewer layers, its one-call native paths included
     forward = DecoderModel.forward
+    _run_layers = DecoderModel._run_layers
+    _native_decode_layers = DecoderModel._native_decode_layers
     compute_logits = DecoderModel.compute_logits
 
 

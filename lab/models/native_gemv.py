@@ -705,6 +705,54 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
   return h;
 }
 
+// The decoder layers of one step on the paged (block) KV cache whose every request feeds a few tokens (decodes,
+// verify steps: NativeAttention's kernel rows), in one call: the per-module path's kernels in its order
+// (bit-identical, as decode_layers), for N <= NATIVE_MAX_ROWS tokens in all, so every projection is the few-row
+// GEMV there too. x (1, N, H) embedded; layers as decode_layers; k_stores[i], v_stores[i] (Hkv, NB, bs, D); cos,
+// sin (1, N, 1, D); slots (N,) each token's flat storage index; tables (N, max_blocks), lens (N,) int64: each
+// token's block table and its key count (paged_decode's rows). Returns {the residual stream after the last layer
+// (1, N, H), then the stream after each layer of `capture`, in order}.
+std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> layers,
+                                          std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
+                                          at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor tables,
+                                          at::Tensor lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                          double scale, int64_t max_threads, std::vector<int64_t> capture) {
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_step_layers: x must be (1, N, H)");
+  TORCH_CHECK(k_stores.size() == layers.size() && v_stores.size() == layers.size(),
+              "paged_step_layers: one store per layer");
+  const int64_t N = x.size(1), D = k_stores.empty() ? 0 : k_stores[0].size(3), G = num_heads / num_kv_heads;
+  const int64_t q_size = num_heads * D, qk_size = (num_heads + num_kv_heads) * D;
+  TORCH_CHECK(slots.numel() == N && lens.numel() == N && tables.size(0) == N, "paged_step_layers: one row per token");
+  std::vector<at::Tensor> out{at::Tensor()};
+  size_t next_capture = 0;
+  at::Tensor h = x;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::vector<at::Tensor>& p = layers[i];
+    TORCH_CHECK(p.size() == 7, "paged_step_layers: 7 tensors per layer");
+    const c10::optional<at::Tensor> qkv_bias = p[2].numel() ? c10::optional<at::Tensor>(p[2]) : c10::nullopt;
+    at::Tensor qkv = gemv(rms_norm(h, p[0], eps), p[1], qkv_bias, max_threads);                   // (1, N, Nqkv)
+    at::Tensor qk = rope(qkv.narrow(-1, 0, qk_size).view({1, N, num_heads + num_kv_heads, D}), cos, sin);
+    at::Tensor k = qk[0].narrow(1, num_heads, num_kv_heads);                                     // (N, Hkv, D)
+    at::Tensor v = qkv.narrow(-1, qk_size, num_kv_heads * D).view({1, N, num_kv_heads, D})[0];   // (N, Hkv, D)
+    k_stores[i].view({num_kv_heads, -1, D}).index_copy_(1, slots, k.transpose(0, 1));
+    v_stores[i].view({num_kv_heads, -1, D}).index_copy_(1, slots, v.transpose(0, 1));
+    at::Tensor queries = qk[0].narrow(1, 0, num_heads).contiguous().view({N, num_kv_heads, G, D});
+    at::Tensor attn = at::empty({N, num_kv_heads, G, D}, x.options());
+    paged_decode(queries, k_stores[i], v_stores[i], tables, lens, scale, attn);
+    at::Tensor o = gemv(attn.view({1, N, q_size}), p[3], c10::nullopt, max_threads);
+    std::vector<at::Tensor> sum_normed = add_rms_norm(h, o, p[4], eps);
+    at::Tensor gate_up = gemv(sum_normed[1], p[5], c10::nullopt, max_threads);
+    h = at::add(sum_normed[0], gemv(silu_mul(gate_up), p[6], c10::nullopt, max_threads));
+    if (next_capture < capture.size() && capture[next_capture] == int64_t(i)) {
+      out.push_back(h);
+      ++next_capture;
+    }
+  }
+  TORCH_CHECK(next_capture == capture.size(), "paged_step_layers: capture must list layers in increasing order");
+  out[0] = h;
+  return out;
+}
+
 %(GEMM_SOURCE)s
 
 // NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
@@ -720,6 +768,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, release());
   m.def("paged_decode", &paged_decode, release());
   m.def("decode_layers", &decode_layers, release());
+  m.def("paged_step_layers", &paged_step_layers, release());
   m.def("pack_panels", &pack_panels, release());
   m.def("gemm_panels", &gemm_panels, release());
 }
@@ -838,3 +887,14 @@ def decode_layers(x: torch.Tensor, layers: list[list[torch.Tensor]], k_rows: lis
     [input_norm, qkv_w, qkv_b (empty: none), o_w, post_norm, gate_up_w, down_w]; k_rows/v_rows (Hkv, L, D)."""
     return _KERNEL.decode_layers(x, layers, k_rows, v_rows, cos, signed_sin, position, num_heads, num_kv_heads,
                                  eps, scale, THREADS)
+
+
+def paged_step_layers(x: torch.Tensor, layers: list[list[torch.Tensor]], k_stores: list[torch.Tensor],
+                      v_stores: list[torch.Tensor], cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                      tables: torch.Tensor, lens: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+                      scale: float, capture: list[int]) -> list[torch.Tensor]:
+    """Every decoder layer of a step of N <= NATIVE_MAX_ROWS tokens on the paged cache, each token a kernel row of
+    paged_decode, in one call: x (1, N, H) -> [stream after the last layer (1, N, H), then after each layer of
+    `capture` (increasing)]. k_stores/v_stores (Hkv, NB, bs, D) per layer; slots (N,), tables (N, nb), lens (N,)."""
+    return _KERNEL.paged_step_layers(x, layers, k_stores, v_stores, cos, signed_sin, slots, tables, lens, num_heads,
+                                     num_kv_heads, eps, scale, THREADS, capture)
