@@ -1,6 +1,7 @@
 """Micro-benchmark: what a verify step of n tokens costs at batch 1, in plain (one-token) steps of the same
 target: `ModelRunner.execute` on the paged cache over a context of `--context` tokens, logits for every row
-(a verify needs them all), SmolLM2-135M fp32.
+(a verify needs them all), SmolLM2-135M fp32, the engines' `native` attention unless `--attention` says otherwise
+(before session 19 this script used `fast`, SDPA per layer: its tables in docs/ until then are of that path).
 
 Speculation at batch 1 pays when tau > the cost of its verify step (plus the draft); a tree of drafts pays
 only where its extra rows cost less than the tokens they add (docs/speculative.md, session 14). The row
@@ -38,6 +39,9 @@ def main() -> None:
                         help="real: SmolLM2-135M's weights; else a random-init target of that shape")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention", default="native", choices=["native", "fast", "gather"],
+                        help="the paged cache's attention backend (native: the engines' default; on CPU its steps of "
+                             "a few tokens run all layers in one native call)")
     args = parser.parse_args()
     rows = sorted({int(n) for n in args.rows.split(",")} | {1})
     torch.set_num_threads(args.threads)
@@ -48,7 +52,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     block_size = 16
     block_table = list(range(1, 2 + (args.context + max(rows)) // block_size))
-    cache = runner.allocate_block_kv_cache(len(block_table) + 1, block_size)
+    cache = runner.allocate_block_kv_cache(len(block_table) + 1, block_size, backend=args.attention)
     generator = torch.Generator().manual_seed(0)
     cache.begin_step([SeqSlice(block_table, 0, args.context)])
     runner.execute(torch.randint(100, 5000, (1, args.context), generator=generator),
@@ -69,8 +73,8 @@ def main() -> None:
     plain = statistics.median(times[1])
     where = (torch.cuda.get_device_name() if runner.device.type == "cuda"
              else f"CPU, {args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
-    print(f"# bench_verify: {args.model} ({args.dtype}) on {where}, batch 1, context {args.context}, "
-          f"{args.calls} steps each")
+    print(f"# bench_verify: {args.model} ({args.dtype}) on {where}, {args.attention} attention, batch 1, "
+          f"context {args.context}, {args.calls} steps each")
     print("| tokens in the step | median (ms) | plain steps |")
     print("|---:|---:|---:|")
     for n in rows:
