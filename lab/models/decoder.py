@@ -128,7 +128,7 @@ class DecoderModel(nn.Module):
         NOTE: a batch-1 decode on the contiguous cache, and a step of a few tokens per request on the paged
         cache (decodes, verify steps: up to NATIVE_MAX_ROWS tokens in all), run all layers in one native call:
         the same kernels in the same order as the loop below (bit-identical), without the Python between them
-        (~20 % of a batch-1 step on the contiguous cache, docs/benchmarks.md; ~25 % on the paged one,
+        (~20 % of a batch-1 step on the contiguous cache, docs/benchmarks.md; ~19 % on the paged one,
         docs/speculative.md, session 19)."""
         layers = self._native_decode_layers() if native_gemv.usable(x, self.embed_tokens.weight) else None
         c = self.config
