@@ -395,7 +395,7 @@ def test_bench_gemv_floor_prints_one_row_per_row_count(capsys: pytest.CaptureFix
     """experiments/bench_gemv.py --floor: the arithmetic floor of each row count against a given DRAM rate."""
     bench = load_experiment("bench_gemv")
     bench.floor_table(native_gemv._KERNEL, [1, 3], dram_gbps=20.0, calls=2)
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
     assert len(rows) == 2
     for row in rows:
         gbps, fmas, floor = (float(cell) for cell in row.strip("|").split("|")[1:])

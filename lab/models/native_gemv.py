@@ -748,7 +748,7 @@ std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<
       ++next_capture;
     }
   }
-  TORCH_CHECK(next_capture == capture.size(), "paged_step_layers: capture must list layers in increasing order");
+  TORCH_CHECK(next_capture == capture.size(), "paged_step_layers: capture must list existing layers (< ", layers.size(), ") in increasing order");
   out[0] = h;
   return out;
 }
