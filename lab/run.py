@@ -82,16 +82,20 @@ def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request],
 def run_measured(engine: Engine, requests: list[Request], max_concurrency: int | None
                  ) -> tuple[RunResult | None, RunResult]:
     """(baseline, outcome). For engines asked to `measure_speedup`, the same requests also go through the
-    engine's own baseline (speculation off) in the same process, so ratios are not across noisy runs.
+    engine's baseline (its `baseline_engine`: by default itself with speculation off) in the same process, so
+    ratios are not across noisy runs.
 
     With `speedup_rounds` = N > 1 the requests are cut into N consecutive chunks and the two engines take
     turns chunk by chunk in ABBA order (baseline first on even chunks, speculation first on odd ones):
-    a machine whose speed drifts during the run then slows both sides alike."""
+    a machine whose speed drifts during the run then slows both sides alike. No chunk holds fewer than
+    `max_concurrency` requests (fewer rounds where needed), so the turns measure the batch size asked for."""
     if not getattr(engine, "measure_speedup", False):
         return None, engine.run(requests, max_concurrency=max_concurrency)
-    baseline_engine = engine.without_speculation()
+    baseline_engine = engine.baseline_engine(max_concurrency)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     rounds = max(1, min(int(getattr(engine, "speedup_rounds", 1)), len(ordered)))
+    if max_concurrency:   # NOTE: a chunk smaller than max_concurrency would shrink the batch being measured
+        rounds = max(1, min(rounds, len(ordered) // max_concurrency))
     bounds = [len(ordered) * i // rounds for i in range(rounds + 1)]
     parts: dict[str, list[RunResult]] = {"baseline": [], "outcome": []}
     for i in range(rounds):
@@ -112,7 +116,9 @@ def _merged(parts: list[RunResult]) -> RunResult:
                      sum(part.duration for part in parts))
 
 
-def speedup_fields(baseline: RunResult | None, outcome: RunResult) -> dict[str, Any]:
+def speedup_fields(baseline: RunResult | None, outcome: RunResult, baseline_name: str = "engine"
+                   ) -> dict[str, Any]:
+    """spec/speedup_* = baseline / outcome (TPOT, end to end); `baseline_name` says what the baseline was."""
     if baseline is None:
         return {}
     base, ours = summarize(baseline.requests, baseline.duration), summarize(outcome.requests, outcome.duration)
@@ -121,7 +127,7 @@ def speedup_fields(baseline: RunResult | None, outcome: RunResult) -> dict[str, 
             "baseline/output_throughput": base["output_throughput"],
             "spec/speedup_tpot": base["mean_tpot_ms"] / max(ours["mean_tpot_ms"], 1e-9),
             "spec/speedup_e2e": base["duration"] / max(ours["duration"], 1e-9),
-            "spec/same_output_as_baseline": same}
+            "spec/same_output_as_baseline": same, "spec/speedup_baseline": baseline_name}
 
 
 def profile_fields(profile: dict[str, Any] | None) -> dict[str, Any]:
@@ -184,7 +190,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
             "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
             "engine_supports_arrivals": engine.supports_arrivals,
-            **metrics.summarize(outcome, engine, runner.tokenizer), **speedup_fields(baseline, outcome), **load,
+            **metrics.summarize(outcome, engine, runner.tokenizer), **load,
+            **speedup_fields(baseline, outcome, getattr(engine, "speedup_baseline", "engine")),
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),

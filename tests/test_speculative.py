@@ -223,6 +223,33 @@ def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: Mod
         SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_rounds=0)
 
 
+def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(tiny_runner: ModelRunner,
+                                                                                monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    from lab.engines.base import Engine
+    from lab.run import run_measured, speedup_fields
+
+    names: list[str] = []
+    original_run = Engine.run
+
+    def recording_run(self: Engine, requests: list, max_concurrency: int | None = None):
+        names.append(self.name)
+        return original_run(self, requests, max_concurrency)
+
+    monkeypatch.setattr(Engine, "run", recording_run)
+    engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
+                               measure_speedup=True, speedup_baseline="ar")
+    requests = make_requests(_repetitive_prompts(3, seed=6), 6, ignore_eos=True)
+    baseline, outcome = run_measured(engine, requests, max_concurrency=1)
+    assert names == ["ar", "speculative"]
+    fields = speedup_fields(baseline, outcome, engine.speedup_baseline)
+    assert fields["spec/same_output_as_baseline"] and fields["spec/speedup_baseline"] == "ar"
+    with pytest.raises(Exception, match="(?s)serves one request at a time.*workload.max_concurrency=1"):
+        run_measured(engine, make_requests(_repetitive_prompts(2, seed=6), 4), max_concurrency=4)
+    with pytest.raises(Exception, match="speedup_baseline must be one of"):
+        SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_baseline="hf")
+
+
 def test_reset_caches_forgets_prefix_blocks_and_the_suffix_history(tiny_runner: ModelRunner) -> None:
     engine = SpeculativeEngine(tiny_runner, SuffixProposerConfig(), 4, SchedulerConfig(4, 64),
                                PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None))

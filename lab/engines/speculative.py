@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lab.engines.ar import AREngine
+from lab.engines.base import Engine
 from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
@@ -27,13 +29,16 @@ from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.proposer import Draft, ProposerConfig
 from lab.spec.schedule import SpecSchedule
 
+SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
+
 
 class SpeculativeEngine(ContinuousBatchingEngine):
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
-                 disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None) -> None:
+                 disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
+                 speedup_baseline: str = "engine") -> None:
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         kv_cache = kv_cache or PagedKVCacheConfig()
         if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
@@ -46,6 +51,10 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             raise LabError(f"speedup_rounds must be >= 1, got {speedup_rounds}",
                            "use 1 (baseline run, then speculative run) or N (ABBA turns over N chunks)")
         self.speedup_rounds = speedup_rounds
+        if speedup_baseline not in SPEEDUP_BASELINES:
+            raise LabError(f"speedup_baseline must be one of {sorted(SPEEDUP_BASELINES)}, got {speedup_baseline!r}",
+                           "use 'engine' (this engine, speculation off) or 'ar' (the batch-1 AR engine)")
+        self.speedup_baseline = speedup_baseline
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
@@ -67,6 +76,18 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         proposer, scheduler, kv_cache, cuda_graphs = self._configs
         return SpeculativeEngine(self.runner, proposer, 0, scheduler, kv_cache, f"{self.name}_k0", self.seed,
                                  cuda_graphs=cuda_graphs)
+
+    def baseline_engine(self, max_concurrency: int | None) -> Engine:
+        """What `measure_speedup` compares against, run on the same requests in the same process:
+        `without_speculation()` ('engine': the continuous-batching AR this engine is, at any concurrency) or
+        the `ar` engine ('ar': our fastest batch-1 decoding, one request at a time, so only at concurrency 1)."""
+        if self.speedup_baseline == "engine":
+            return self.without_speculation()
+        if max_concurrency != 1:
+            raise LabError(f"speedup_baseline='ar' serves one request at a time, but max_concurrency is "
+                           f"{max_concurrency}: its TPOT would be a batch-1 figure against a batched one",
+                           "set workload.max_concurrency=1, or engine.speedup_baseline=engine for batches")
+        return AREngine(self.runner, use_kv_cache=True, seed=self.seed)
 
     def _reset_spec_counters(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
