@@ -92,6 +92,14 @@ def test_experiment_configs_compose(experiment: str) -> None:
     assert compose_cfg([f"+experiment={experiment}", "concurrency=1"]).workload.num_prompts == 4
 
 
+def test_the_prompt_length_sweep_runs_sharegpt_only(tmp_path: Path) -> None:
+    # NOTE: Hydra merges an experiment's sweeper params into those of the experiment it extends; crossover's
+    # `workload: mtbench,gsm8k` once leaked into this sweep, where no prompt is 256+ tokens long
+    params = compose_cfg(["+experiment=crossover_prompt_len"], run_dir=tmp_path).hydra.sweeper.params
+    assert params.workload == "sharegpt" and params.concurrency == "1,8"
+    assert params["workload.min_prompt_len"] == "8,256,768"
+
+
 def test_the_adaptive_dflash_engine_drafts_by_batch_size() -> None:
     cfg = compose_cfg(["+experiment=crossover", "engine=dflash_adaptive"])
     dflash = compose_cfg(["+experiment=crossover", "engine=dflash"])
