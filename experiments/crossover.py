@@ -7,7 +7,8 @@ Writes <out>/crossover.json (rows + crossover points), <out>/crossover.png, and 
 On the concurrency axis each method also gets `pays_up_to`: the most requests at which drafting still paid,
 the value for `engine.disable_by_batch_size` (no drafts above it; lab/spec/schedule.py).
 Every job ran its own AR baseline on the same requests (engine.measure_speedup, in ABBA turns where the
-concurrency allows: engine.speedup_rounds), so each speedup is a ratio measured in one process. Owns: reading results.json, finding crossovers, drawing. Ignores: measuring.
+concurrency allows: engine.speedup_rounds), so each speedup is a ratio measured in one process.
+Owns: reading results.json, finding crossovers, drawing. Ignores: measuring.
 """
 
 from __future__ import annotations

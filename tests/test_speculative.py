@@ -223,6 +223,28 @@ def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: Mod
         SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_rounds=0)
 
 
+def test_abba_turns_never_hold_fewer_requests_than_the_concurrency(tiny_runner: ModelRunner,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from lab.engines.base import Engine
+    from lab.run import run_measured
+
+    chunk_sizes: list[int] = []
+    original_run = Engine.run
+
+    def recording_run(self: Engine, requests: list, max_concurrency: int | None = None):
+        chunk_sizes.append(len(requests))
+        return original_run(self, requests, max_concurrency)
+
+    monkeypatch.setattr(Engine, "run", recording_run)
+    engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
+                               measure_speedup=True, speedup_rounds=4)
+    run_measured(engine, make_requests(_repetitive_prompts(6, seed=7), 3, ignore_eos=True), max_concurrency=2)
+    assert chunk_sizes == [2] * 6, "4 rounds asked, 3 taken: a chunk of 1 would measure batch 1, not 2"
+    chunk_sizes.clear()
+    run_measured(engine, make_requests(_repetitive_prompts(4, seed=7), 3, ignore_eos=True), max_concurrency=4)
+    assert chunk_sizes == [4, 4], "one turn each when the requests only fill the batch once"
+
+
 def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(tiny_runner: ModelRunner,
                                                                                 monkeypatch: pytest.MonkeyPatch
                                                                                 ) -> None:
