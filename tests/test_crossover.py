@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 
+from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.schedule import SpecSchedule
 from tests.conftest import compose_cfg
 from tests.helpers import load_experiment
@@ -98,6 +99,15 @@ def test_the_prompt_length_sweep_runs_sharegpt_only(tmp_path: Path) -> None:
     params = compose_cfg(["+experiment=crossover_prompt_len"], run_dir=tmp_path).hydra.sweeper.params
     assert params.workload == "sharegpt" and params.concurrency == "1,8"
     assert params["workload.min_prompt_len"] == "8,256,768"
+
+
+def test_engine_dflash_verifies_its_second_draft_only_where_the_drafter_is_sure() -> None:
+    for engine in ("dflash", "dflash_adaptive"):
+        proposer = compose_cfg(["+experiment=crossover", f"engine={engine}"]).engine.proposer
+        gate = ConfidenceGate(proposer.min_confidence, proposer.always_draft)
+        # NOTE: a confidence list is the drafter's top probability at each drafted position
+        assert [gate.length(c) for c in ([0.1, 0.9], [0.9, 0.3], [0.9, 0.6])] == [1, 1, 2], engine
+    assert compose_cfg(["engine=speculative", "engine/proposer=dflash"]).engine.proposer.min_confidence == 0
 
 
 def test_the_adaptive_dflash_engine_drafts_by_batch_size() -> None:
