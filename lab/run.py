@@ -93,9 +93,9 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
         return None, engine.run(requests, max_concurrency=max_concurrency)
     baseline_engine = engine.baseline_engine(max_concurrency)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
-    rounds = max(1, min(int(getattr(engine, "speedup_rounds", 1)), len(ordered)))
-    if max_concurrency:   # NOTE: a chunk smaller than max_concurrency would shrink the batch being measured
-        rounds = max(1, min(rounds, len(ordered) // max_concurrency))
+    # NOTE: a chunk smaller than max_concurrency would shrink the batch being measured
+    most_rounds = len(ordered) // max_concurrency if max_concurrency else len(ordered)
+    rounds = max(1, min(int(getattr(engine, "speedup_rounds", 1)), most_rounds))
     bounds = [len(ordered) * i // rounds for i in range(rounds + 1)]
     parts: dict[str, list[RunResult]] = {"baseline": [], "outcome": []}
     for i in range(rounds):

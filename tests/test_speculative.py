@@ -188,10 +188,10 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
         assert engine.stats()["spec_decode_num_accepted_tokens"] > 0, engine.stats()
 
 
-def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: ModelRunner,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def engine_turns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str]]]:
+    """(engine name, request ids) of every Engine.run call, in order: which engine took which turn."""
     from lab.engines.base import Engine
-    from lab.run import run_measured, speedup_fields
 
     turns: list[tuple[str, list[str]]] = []
     original_run = Engine.run
@@ -201,6 +201,14 @@ def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: Mod
         return original_run(self, requests, max_concurrency)
 
     monkeypatch.setattr(Engine, "run", recording_run)
+    return turns
+
+
+def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: ModelRunner,
+                                                                 engine_turns: list[tuple[str, list[str]]]) -> None:
+    from lab.run import run_measured, speedup_fields
+
+    turns = engine_turns
     engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
                                measure_speedup=True, speedup_rounds=3)
     requests = make_requests(_repetitive_prompts(6, seed=5), 5, ignore_eos=True)
@@ -224,46 +232,28 @@ def test_speedup_rounds_take_abba_turns_and_merge_every_request(tiny_runner: Mod
 
 
 def test_abba_turns_never_hold_fewer_requests_than_the_concurrency(tiny_runner: ModelRunner,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from lab.engines.base import Engine
+                                                                   engine_turns: list[tuple[str, list[str]]]) -> None:
     from lab.run import run_measured
 
-    chunk_sizes: list[int] = []
-    original_run = Engine.run
-
-    def recording_run(self: Engine, requests: list, max_concurrency: int | None = None):
-        chunk_sizes.append(len(requests))
-        return original_run(self, requests, max_concurrency)
-
-    monkeypatch.setattr(Engine, "run", recording_run)
     engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
                                measure_speedup=True, speedup_rounds=4)
     run_measured(engine, make_requests(_repetitive_prompts(6, seed=7), 3, ignore_eos=True), max_concurrency=2)
-    assert chunk_sizes == [2] * 6, "4 rounds asked, 3 taken: a chunk of 1 would measure batch 1, not 2"
-    chunk_sizes.clear()
+    assert [len(ids) for _, ids in engine_turns] == [2] * 6, \
+        "4 rounds asked, 3 taken: a chunk of 1 would measure batch 1, not 2"
+    engine_turns.clear()
     run_measured(engine, make_requests(_repetitive_prompts(4, seed=7), 3, ignore_eos=True), max_concurrency=4)
-    assert chunk_sizes == [4, 4], "one turn each when the requests only fill the batch once"
+    assert [len(ids) for _, ids in engine_turns] == [4, 4], "one turn each when the requests only fill the batch once"
 
 
-def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(tiny_runner: ModelRunner,
-                                                                                monkeypatch: pytest.MonkeyPatch
-                                                                                ) -> None:
-    from lab.engines.base import Engine
+def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(
+        tiny_runner: ModelRunner, engine_turns: list[tuple[str, list[str]]]) -> None:
     from lab.run import run_measured, speedup_fields
 
-    names: list[str] = []
-    original_run = Engine.run
-
-    def recording_run(self: Engine, requests: list, max_concurrency: int | None = None):
-        names.append(self.name)
-        return original_run(self, requests, max_concurrency)
-
-    monkeypatch.setattr(Engine, "run", recording_run)
     engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
                                measure_speedup=True, speedup_baseline="ar")
     requests = make_requests(_repetitive_prompts(3, seed=6), 6, ignore_eos=True)
     baseline, outcome = run_measured(engine, requests, max_concurrency=1)
-    assert names == ["ar", "speculative"]
+    assert [name for name, _ in engine_turns] == ["ar", "speculative"]
     fields = speedup_fields(baseline, outcome, engine.speedup_baseline)
     assert fields["spec/same_output_as_baseline"] and fields["spec/speedup_baseline"] == "ar"
     with pytest.raises(Exception, match="(?s)serves one request at a time.*workload.max_concurrency=1"):
