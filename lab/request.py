@@ -61,6 +61,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose KV is in the cache (vLLM's token-progress model)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    spec_parents: list[int] | None = None   # a tree of drafts: each one's parent (lab/spec/tree.py); None: a chain
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # one timestamp per output token
     finished_time: float | None = None

@@ -204,6 +204,32 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
+@pytest.mark.parametrize("max_num_seqs,token_budget", [(1, 32), (4, 32), (4, 7)])
+def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: dict, kind: str, max_num_seqs: int,
+                                                                      token_budget: int,
+                                                                      tiny_runner: ModelRunner) -> None:
+    """tree_width 3: the drafter's two runners-up for the first position are verified beside its chain. The output
+    is `ar`'s; a runner-up is accepted on some steps (its keys and features moved where the chain's would be), so
+    each draft gets more tokens accepted than the chain alone. A token budget of 7 for 4 requests cuts trees short."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    stats = {}
+    for width in (1, 3):
+        config = _proposer(kind, trained[kind][0])
+        config.tree_width = width
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                             max_num_batched_tokens=token_budget))
+        assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+        stats[width] = engine.stats()
+        assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
+    assert stats[3]["spec/tree_off_chain_accepts"] > 0 and stats[1]["spec/tree_off_chain_accepts"] == 0
+    if token_budget > 7:   # NOTE: with 7 tokens for 4 requests a tree's extra rows leave other requests undrafted
+        tau = {width: s["spec_decode_acceptance_length"] for width, s in stats.items()}
+        assert tau[3] > tau[1], tau
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_drafters_catch_up_after_steps_the_batch_size_left_undrafted(trained: dict, kind: str,
                                                                     tiny_runner: ModelRunner) -> None:
     """disable_by_batch_size=2: no drafts while 3-4 requests run; as they finish, the drafter drafts again from

@@ -113,8 +113,10 @@ class ContinuousBatchingEngine(Engine):
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
         phase = _phase_name(out)
-        graph = (self.decode_graphs is not None and phase == "decode" and self.decode_graphs.fits(
-            len(out.scheduled), 1 + max(map(len, out.scheduled_spec_token_ids.values()), default=0)))
+        # NOTE: a tree of drafts needs its attention mask: never a graph.
+        graph = (self.decode_graphs is not None and phase == "decode" and not out.scheduled_spec_parents
+                 and self.decode_graphs.fits(len(out.scheduled),
+                                             1 + max(map(len, out.scheduled_spec_token_ids.values()), default=0)))
         with profile_range("prepare_inputs"):
             batch = self._prepare_inputs(out, prepare_attention=not graph)
         batch.in_graph = graph
@@ -157,7 +159,10 @@ class ContinuousBatchingEngine(Engine):
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]
             spec = out.scheduled_spec_token_ids.get(request.request_id, [])
-            seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num))
+            parents = out.scheduled_spec_parents.get(request.request_id)
+            # NOTE: query 0 is the root (the last token); draft i is query i + 1.
+            tree = None if parents is None else tuple(p + 1 for p in parents)
+            seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num, tree))
             layout.append((request, start, num))
             token_ids.extend(_token_slice(request, start, num - len(spec)) + spec)
             if out.samples(request):

@@ -93,6 +93,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_target_forwards = self.num_emitted_tokens = 0
         self.num_steps_not_drafted = 0   # steps whose batch size the schedule drafts nothing for
+        self.num_tree_off_chain = 0      # tree verifications that accepted a runner-up, not the chain
         self.accepted_per_position = [0] * self.num_spec_tokens
         self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
 
@@ -123,14 +124,33 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             rows = logits[row:row + 1 + len(spec)]                                       # (1 + k, V)
             row += 1 + len(spec)
             draft = self._drafts.pop(request.request_id, None)
-            probs = None if draft is None or draft.probs is None else draft.probs[:len(spec)]
-            result = self.rejection_sampler.verify(rows, spec, request.sampling_params,
-                                                   self.generator_for(request), probs)
+            parents = out.scheduled_spec_parents.get(request.request_id)
+            if parents is not None:
+                result = self.rejection_sampler.verify_tree_greedy(rows, spec, parents)
+                self._keep_tree_path(request, result.path)
+            else:
+                probs = None if draft is None or draft.probs is None else draft.probs[:len(spec)]
+                result = self.rejection_sampler.verify(rows, spec, request.sampling_params,
+                                                       self.generator_for(request), probs)
             sampled[request.request_id] = result.token_ids
             self.num_emitted_tokens += len(result.token_ids)
             if spec:
                 self._count(len(spec), result.num_accepted)
         return sampled
+
+    def _keep_tree_path(self, request: Request, path: list[int]) -> None:
+        """A tree's accepted drafts sit where the step stored them (draft i after the root at num_computed + 1 + i);
+        move their keys, values and features to where a chain's would be (depth d at num_computed + d), so the
+        next step, the cache and the drafter see the accepted sequence only."""
+        start = request.num_computed_tokens + 1     # the first draft's slot; the root is at num_computed
+        moves = [(start + node, start + depth) for depth, node in enumerate(path) if node != depth]
+        if not moves:
+            return
+        self.num_tree_off_chain += 1
+        table, block_size = self.kv_manager.block_table(request.request_id), self.kv_manager.block_size
+        slots = [[table[p // block_size] * block_size + p % block_size for p in positions] for positions in zip(*moves)]
+        self.kv_cache.move_tokens(*slots)
+        self.proposer.move_positions(request.request_id, *map(list, zip(*moves)))
 
     def _count(self, num_spec: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -171,8 +191,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         for request, budget in zip(ready, budgets):
             draft = drafts.get(request.request_id)
             if draft is not None and draft.token_ids:
-                draft.token_ids = draft.token_ids[:budget]
+                draft.limit_depth(budget)
                 request.spec_token_ids = list(draft.token_ids)
+                request.spec_parents = None if draft.parents is None else list(draft.parents)
                 self._drafts[request.request_id] = draft
 
     def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
@@ -198,6 +219,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts,
                  "spec/num_spec_tokens": self.num_spec_tokens,
                  "spec/num_steps_not_drafted": self.num_steps_not_drafted,
+                 "spec/tree_off_chain_accepts": self.num_tree_off_chain,
                  "spec/draft_s": self.phases.seconds.get("draft", 0.0), "spec/verify_s": verify_s,
                  "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
         for position, accepted in enumerate(self.accepted_per_position):

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 class AttentionBackend(Protocol):
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> object: ...
 
+    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
+        """Whether it can attend this step's tree of drafts (`index.hidden`); if not, `gather` runs the step."""
+        ...
+
     def attend(self, cache: BlockKVCache, meta: object, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k/v (N, Hkv, D) of this step (already stored) -> (N, Hq, D)."""
@@ -59,6 +63,9 @@ class GatherMeta:
 
 
 class GatherAttention:
+    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
+        return True
+
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> GatherMeta:
         num_seqs, bs = len(index.seqs), cache.block_size
         ctx, qlen = index.context_lens, index.query_lens
@@ -74,6 +81,12 @@ class GatherAttention:
         causal = key_pos[None, None] <= (ctx[:, None] + query_pos[None])[..., None]          # (R, T, S)
         # NOTE: a padded query row may see key 0 only, so SDPA never softmaxes an all-masked row.
         mask = torch.where(query_valid[..., None], causal, key_pos == 0)
+        if index.hidden is not None:   # NOTE: a tree of drafts: a token does not see its siblings' branches
+            for row, start, seq in zip(range(num_seqs), index.q_start, index.seqs):
+                for t, bits in enumerate(index.hidden[start:start + seq.num_query_tokens].tolist()):
+                    for b in range(1, bits.bit_length()):
+                        if bits >> b & 1:
+                            mask[row, t, seq.num_context_tokens + t - b] = False
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlen)
         out_index = seq_idx * max_query + (torch.arange(len(seq_idx)) - starts[seq_idx])
         device = cache.device

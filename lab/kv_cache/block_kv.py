@@ -22,11 +22,16 @@ from lab.profiling.ranges import profile_range
 
 @dataclass(slots=True)
 class SeqSlice:
-    """One request's share of a step's flat batch."""
+    """One request's share of a step's flat batch.
+
+    `tree`: the step's tokens are a tree of drafts (lab/spec/tree.py), not a chain: the parent (query index) of
+    query tokens 1..T-1; query 0 is the root. Token j is still stored at `num_context_tokens + j`, but its
+    position is the context plus its depth, and it sees the context, its ancestors and itself only."""
 
     block_table: list[int]
     num_context_tokens: int   # tokens whose KV is already stored (num_computed_tokens)
     num_query_tokens: int     # tokens fed this step (num_scheduled_tokens)
+    tree: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
@@ -40,6 +45,8 @@ class StepIndex:
     query_lens: torch.Tensor           # (R,) num_query_tokens
     positions: torch.Tensor            # (N,) position of each token in its request
     slot_mapping: torch.Tensor         # (N,) flat storage index of each new token
+    hidden: torch.Tensor | None = None  # (N,) int64 per token: bit b set = it does not see the key b slots before
+    #                                     its own (a tree's siblings); None: every token sees all keys before it
 
 
 class BlockKVCache:
@@ -57,6 +64,8 @@ class BlockKVCache:
         self.device = device
         self.scratch_block: int | None = num_blocks if scratch_block else None
         self.backend = make_backend(backend)
+        self._tree_backend = make_backend("gather")
+        self._step_backend = self.backend   # this step's: `backend`, or `gather` for a tree `backend` cannot mask
         self.index: StepIndex | None = None
         self._meta: object = None
 
@@ -68,7 +77,10 @@ class BlockKVCache:
         """Build this step's indices; the model's forward follows with the same token order. Without
         `prepare_backend` the step runs elsewhere (a fixed-shape decode view) and only the index is built."""
         self.index = build_step_index(seqs, self.block_size, self.device)
-        self._meta = self.backend.prepare(self, self.index) if prepare_backend else None
+        self._step_backend = self.backend
+        if self.index.hidden is not None and not self.backend.supports_tree(self, self.index):
+            self._step_backend = self._tree_backend   # NOTE: a tree the backend cannot mask: the reference does
+        self._meta = self._step_backend.prepare(self, self.index) if prepare_backend else None
 
     def store(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write N new tokens' k/v (N, Hkv, D) at their flat storage slots (N,)."""
@@ -76,15 +88,26 @@ class BlockKVCache:
         self.k[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, k.transpose(0, 1))
         self.v[layer_idx].view(flat_shape).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
-    def native_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(slot_mapping (N,), tables (N, nb), lens (N,)) when the native backend attends every token of this step
-        as one kernel row (a decode or verify step, fp32 on CPU), so the model may run all its layers in one
-        native call (native_gemv.paged_step_layers) instead of `attend` per layer; else None."""
-        kernel_rows = getattr(self.backend, "kernel_rows", None)
+    def native_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slot_mapping (N,), tables (N, nb), lens (N,), hidden (N,) or empty) when the native backend attends
+        every token of this step as one kernel row (a decode or verify step, fp32 on CPU), so the model may run all
+        its layers in one native call (native_gemv.paged_step_layers) instead of `attend` per layer; else None."""
+        kernel_rows = getattr(self._step_backend, "kernel_rows", None)
         rows = kernel_rows(self._meta) if kernel_rows is not None and self.index is not None else None
         if rows is None or rows[1].numel() != self.index.slot_mapping.numel():
             return None
-        return self.index.slot_mapping, rows[0], rows[1]
+        hidden = self.index.hidden if self.index.hidden is not None else _NO_HIDDEN
+        return self.index.slot_mapping, rows[0], rows[1], hidden
+
+    def move_tokens(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy the keys and values of flat storage slots `src_slots` to `dst_slots`, in every layer (a tree's
+        accepted path, moved to where a chain's would be)."""
+        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        flat_shape = (self.num_kv_heads, -1, self.head_dim)
+        for store in self.k + self.v:
+            flat = store.view(flat_shape)
+            flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, N, Hq, D), k/v (1, N, Hkv, D) -> (1, N, Hq, D)."""
@@ -92,7 +115,7 @@ class BlockKVCache:
         # published this step reads it in the same forward that computes it.
         with profile_range("attention"):
             self.store(layer_idx, self.index.slot_mapping, k[0], v[0])
-            out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
+            out = self._step_backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
         return out.unsqueeze(0)
 
 
@@ -100,6 +123,26 @@ class BlockKVCache:
 # tensor ops: a decode or verify step has a few tokens per request, where each small tensor op (~5-10 us)
 # costs more than the loop; a prefill chunk of thousands of tokens is the other way round.
 PYTHON_INDEX_MAX_TOKENS = 256
+
+
+_NO_HIDDEN = torch.empty(0, dtype=torch.long)
+
+
+def tree_layout(parents: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """A step's tree of T query tokens (`SeqSlice.tree`: the parent of tokens 1..T-1) -> (each token's depth,
+    each token's hidden-key bits: bit b = it does not see token j - b, the keys before the step all seen)."""
+    if len(parents) >= 63:
+        raise ValueError(f"a tree of {len(parents) + 1} tokens: at most 63 fit the hidden-key bits")
+    depth, ancestors = [0], [1]                    # ancestors[j]: bit i = token i is j or one of j's ancestors
+    for j, parent in enumerate(parents, start=1):
+        if not 0 <= parent < j:
+            raise ValueError(f"tree token {j} has parent {parent}: a parent must come before its children")
+        depth.append(depth[parent] + 1)
+        ancestors.append(ancestors[parent] | 1 << j)
+    hidden = []
+    for j, seen in enumerate(ancestors):
+        hidden.append(sum(1 << (j - i) for i in range(j) if not seen >> i & 1))
+    return depth, hidden
 
 
 def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device) -> StepIndex:
@@ -122,5 +165,18 @@ def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device
         starts = torch.tensor(q_start, dtype=torch.long)
         positions = torch.arange(total) - starts[seq_idx] + context_lens[seq_idx]              # (N,)
         slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size
+    hidden = None
+    if any(s.tree is not None for s in seqs):
+        # NOTE: slots stay the storage order above; a tree's tokens take their depth as position.
+        positions, hidden = positions.clone(), torch.zeros(total, dtype=torch.long)
+        for seq, start in zip(seqs, q_start):
+            if seq.tree is not None:
+                if len(seq.tree) != seq.num_query_tokens - 1:
+                    raise ValueError(f"a tree of {len(seq.tree) + 1} tokens for {seq.num_query_tokens} query tokens")
+                depth, bits = tree_layout(seq.tree)
+                span = slice(start, start + seq.num_query_tokens)
+                positions[span] = seq.num_context_tokens + torch.tensor(depth)
+                hidden[span] = torch.tensor(bits)
+        hidden = hidden.to(device)
     return StepIndex(seqs, q_start, tables.to(device), context_lens, query_lens, positions,
-                     slot_mapping.to(device))
+                     slot_mapping.to(device), hidden)

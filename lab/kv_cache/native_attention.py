@@ -40,11 +40,25 @@ def load_kernel() -> Any | None:
 MAX_KERNEL_QUERY_TOKENS = 8
 
 
+_NO_HIDDEN = torch.empty(0, dtype=torch.long)
+
+
+def _num_short(index: StepIndex) -> int:
+    """The leading requests of the step that feed at most MAX_KERNEL_QUERY_TOKENS tokens (the kernel's rows)."""
+    num_short = 0
+    for seq in index.seqs:
+        if seq.num_query_tokens > MAX_KERNEL_QUERY_TOKENS:
+            break
+        num_short += 1
+    return num_short
+
+
 @dataclass(slots=True)
 class NativeMeta:
     num_rows: int                  # leading flat-batch tokens the kernel attends (one row each)
     tables: torch.Tensor | None    # (num_rows, max_blocks) int64, each row's request's block table
     lens: torch.Tensor | None      # (num_rows,) int64, keys each row attends to (up to and including itself)
+    hidden: torch.Tensor | None    # (num_rows,) int64, keys a row of a tree of drafts does not see; None: none
     chunks: SplitMeta              # the longer chunks, SplitAttention's plan
 
 
@@ -56,14 +70,17 @@ class NativeAttention:
         return (cache.device.type == "cpu" and cache.k[0].dtype == torch.float32 and cache.head_dim % 8 == 0
                 and load_kernel() is not None)
 
+    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
+        """A tree's tokens are kernel rows when the cache is the kernel's and no chunk comes before it."""
+        if not self.usable(cache):
+            return False
+        num_short = _num_short(index)
+        return all(seq.tree is None for seq in index.seqs[num_short:])
+
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> NativeMeta | SplitMeta:
         if not self.usable(cache):
             return self.split.prepare(cache, index)
-        num_short = 0
-        for seq in index.seqs:
-            if seq.num_query_tokens > MAX_KERNEL_QUERY_TOKENS:
-                break
-            num_short += 1
+        num_short = _num_short(index)
         if num_short == len(index.seqs):   # NOTE: a decode or verify step: no chunk, nothing to split
             chunks = SplitMeta([], [])
         else:   # NOTE: SplitAttention sees only the longer chunks; their q_start stays absolute in the flat batch.
@@ -73,7 +90,7 @@ class NativeAttention:
                                        query_lens=index.query_lens[num_short:])
             chunks = self.split.prepare(cache, rest)
         if not num_short:
-            return NativeMeta(0, None, None, chunks)
+            return NativeMeta(0, None, None, None, chunks)
         # NOTE: one kernel row per token: its request's block table and the keys up to and including it,
         # built in Python (a few rows per request) rather than with several small tensor ops.
         lens, rows = [], []
@@ -83,8 +100,9 @@ class NativeAttention:
                 rows.append(seq.block_table)
         num_blocks = -(-max(lens) // cache.block_size)
         tables = torch.tensor([(r + [0] * num_blocks)[:num_blocks] for r in rows], dtype=torch.long)  # (rows, nb)
+        hidden = None if index.hidden is None else index.hidden[:len(lens)].contiguous()
         return NativeMeta(len(lens), tables.to(cache.device), torch.tensor(lens, dtype=torch.long).to(cache.device),
-                          chunks)
+                          hidden, chunks)
 
     def kernel_rows(self, meta: NativeMeta | SplitMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tables, lens) of paged_decode's rows when the step has no chunk for SplitAttention, every token a
@@ -103,6 +121,7 @@ class NativeAttention:
             num_rows, (num_heads, head_dim) = meta.num_rows, q.shape[1:]
             group = (num_rows, cache.num_kv_heads, num_heads // cache.num_kv_heads, head_dim)
             queries = q[:num_rows].contiguous().view(group)                                   # (rows, Hkv, G, D)
+            hidden = meta.hidden if meta.hidden is not None else _NO_HIDDEN
             native_gemv._KERNEL.paged_decode(queries, cache.k[layer_idx], cache.v[layer_idx], meta.tables,
-                                             meta.lens, 1 / math.sqrt(head_dim), out[:num_rows].view(group))
+                                             meta.lens, hidden, 1 / math.sqrt(head_dim), out[:num_rows].view(group))
         return out

@@ -79,6 +79,9 @@ class SplitAttention:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None   # flat buffer for gathered decode keys and values
 
+    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
+        return False   # NOTE: its batched decodes and causal chunks have no per-token mask; `gather` has
+
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> SplitMeta:
         num_decodes = 0
         for seq in index.seqs:

@@ -580,24 +580,32 @@ static inline void accumulate_values(const float* s, int64_t ld, const float* in
   }
 }
 
+// `hidden`: keys the query may not see (a tree of drafts: a node sees its ancestors, not its siblings), bit b for
+// key n - 1 - b. Their scores go to -inf before the softmax and their numerators to exactly 0 after it: exp256
+// clamps at e^-87, which adds nothing to a sum that holds the maximum's 1, so the sums over the keys a row sees
+// are the ones a plain row over the same keys computes, with zeros between them.
 template <int GC>
 static inline void attend_group(const float* q, int64_t D, const float* const* kb, const float* const* vb, int64_t bs,
-                                int64_t n, float sc, float* out, float* s) {
+                                int64_t n, float sc, float* out, float* s, uint64_t hidden) {
   const int64_t ld = attention_scores_ld(n);
   score_keys<GC>(q, D, kb, vb, bs, n, sc, s, ld);
+  for (uint64_t bits = hidden; bits; bits &= bits - 1)
+    for (int g = 0; g < GC; ++g) s[g * ld + n - 1 - __builtin_ctzll(bits)] = -INFINITY;
   float inv[GC];
   for (int g = 0; g < GC; ++g) inv[g] = softmax_numerators(s + g * ld, n);
+  for (uint64_t bits = hidden; bits; bits &= bits - 1)
+    for (int g = 0; g < GC; ++g) s[g * ld + n - 1 - __builtin_ctzll(bits)] = 0.f;
   accumulate_values<GC>(s, ld, inv, D, vb, bs, n, out);
 }
 
 static void attend_kv_head(const float* q, int64_t G, int64_t D, const float* const* kb, const float* const* vb,
-                           int64_t bs, int64_t n, float sc, float* out, float* s) {
+                           int64_t bs, int64_t n, float sc, float* out, float* s, uint64_t hidden = 0) {
   for (int64_t g = 0; g < G; g += 3) {
     const int64_t gc = std::min<int64_t>(3, G - g);
     const float* qg = q + g * D; float* og = out + g * D;
-    if (gc == 3) attend_group<3>(qg, D, kb, vb, bs, n, sc, og, s);
-    else if (gc == 2) attend_group<2>(qg, D, kb, vb, bs, n, sc, og, s);
-    else attend_group<1>(qg, D, kb, vb, bs, n, sc, og, s);
+    if (gc == 3) attend_group<3>(qg, D, kb, vb, bs, n, sc, og, s, hidden);
+    else if (gc == 2) attend_group<2>(qg, D, kb, vb, bs, n, sc, og, s, hidden);
+    else attend_group<1>(qg, D, kb, vb, bs, n, sc, og, s, hidden);
   }
 }
 
@@ -640,9 +648,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
 
 // Many queries over paged KV: row b attends its lens[b] first keys through its block table (a decode, or one
 // token of a verify step). q (B, Hkv, G, D); k/v stores (Hkv, num_blocks, block_size, D); tables
-// (B, max_blocks) int64; lens (B,) int64 -> out (B, Hkv, G, D). fp32, contiguous.
-void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor lens, double scale,
-                  at::Tensor out) {
+// (B, max_blocks) int64; lens (B,) int64; hidden (B,) int64 or empty: row b does not see key lens[b] - 1 - j
+// where bit j of hidden[b] is set (a tree of drafts' siblings) -> out (B, Hkv, G, D). fp32, contiguous.
+void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor lens, at::Tensor hidden,
+                  double scale, at::Tensor out) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
               out.is_contiguous() && tables.is_contiguous() && lens.is_contiguous() && k.sizes() == v.sizes() &&
               out.sizes() == q.sizes(), "paged_decode: contiguous q/out (B, Hkv, G, D), stores (Hkv, NB, bs, D)");
@@ -653,11 +662,16 @@ void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, a
   TORCH_CHECK(D % 8 == 0 && k.size(0) == H && k.size(3) == D, "paged_decode: head_dim must be a multiple of 8");
   const float* qp = q.data_ptr<float>(); const float* kp = k.data_ptr<float>(); const float* vp = v.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>(); const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(hidden.numel() == 0 || (hidden.numel() == B && hidden.is_contiguous() &&
+              hidden.scalar_type() == at::kLong), "paged_decode: hidden must be empty or (B,) int64");
+  const int64_t* hp = hidden.numel() ? hidden.data_ptr<int64_t>() : nullptr;
   float* op = out.data_ptr<float>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_nb * bs, "paged_decode: row ", b, " has ", lp[b], " keys for ", max_nb,
                 " blocks of ", bs);
+    TORCH_CHECK(!hp || (hp[b] >= 0 && !(hp[b] & 1) && (lp[b] >= 63 || (hp[b] >> lp[b]) == 0)),
+                "paged_decode: row ", b, " hides its own key or keys it does not have");
     max_len = std::max(max_len, lp[b]);
   }
   const float sc = float(scale);
@@ -671,7 +685,8 @@ void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, a
         kb[j] = kp + (h * NB + block) * bs * D;
         vb[j] = vp + (h * NB + block) * bs * D;
       }
-      attend_kv_head(qp + i * G * D, G, D, kb.data(), vb.data(), bs, lp[b], sc, op + i * G * D, scores.data());
+      attend_kv_head(qp + i * G * D, G, D, kb.data(), vb.data(), bs, lp[b], sc, op + i * G * D, scores.data(),
+                     hp ? uint64_t(hp[b]) : 0);
     }
   });
 }
@@ -709,13 +724,13 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
 // verify steps: NativeAttention's kernel rows), in one call: the per-module path's kernels in its order
 // (bit-identical, as decode_layers), for N <= NATIVE_MAX_ROWS tokens in all, so every projection is the few-row
 // GEMV there too. x (1, N, H) embedded; layers as decode_layers; k_stores[i], v_stores[i] (Hkv, NB, bs, D); cos,
-// sin (1, N, 1, D); slots (N,) each token's flat storage index; tables (N, max_blocks), lens (N,) int64: each
-// token's block table and its key count (paged_decode's rows). Returns {the residual stream after the last layer
+// sin (1, N, 1, D); slots (N,) each token's flat storage index; tables (N, max_blocks), lens (N,), hidden (N,) or
+// empty, int64: each token's block table, its key count and the keys it does not see (paged_decode's rows). Returns {the residual stream after the last layer
 // (1, N, H), then the stream after each layer of `capture`, in order}.
 std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> layers,
                                           std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
                                           at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor tables,
-                                          at::Tensor lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                          at::Tensor lens, at::Tensor hidden, int64_t num_heads, int64_t num_kv_heads, double eps,
                                           double scale, int64_t max_threads, std::vector<int64_t> capture) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_step_layers: x must be (1, N, H)");
   TORCH_CHECK(k_stores.size() == layers.size() && v_stores.size() == layers.size(),
@@ -738,7 +753,7 @@ std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<
     v_stores[i].view({num_kv_heads, -1, D}).index_copy_(1, slots, v.transpose(0, 1));
     at::Tensor queries = qk[0].narrow(1, 0, num_heads).contiguous().view({N, num_kv_heads, G, D});
     at::Tensor attn = at::empty({N, num_kv_heads, G, D}, x.options());
-    paged_decode(queries, k_stores[i], v_stores[i], tables, lens, scale, attn);
+    paged_decode(queries, k_stores[i], v_stores[i], tables, lens, hidden, scale, attn);
     at::Tensor o = gemv(attn.view({1, N, q_size}), p[3], c10::nullopt, max_threads);
     std::vector<at::Tensor> sum_normed = add_rms_norm(h, o, p[4], eps);
     at::Tensor gate_up = gemv(sum_normed[1], p[5], c10::nullopt, max_threads);
@@ -891,10 +906,11 @@ def decode_layers(x: torch.Tensor, layers: list[list[torch.Tensor]], k_rows: lis
 
 def paged_step_layers(x: torch.Tensor, layers: list[list[torch.Tensor]], k_stores: list[torch.Tensor],
                       v_stores: list[torch.Tensor], cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
-                      tables: torch.Tensor, lens: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
-                      scale: float, capture: list[int]) -> list[torch.Tensor]:
+                      tables: torch.Tensor, lens: torch.Tensor, hidden: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, eps: float, scale: float, capture: list[int]) -> list[torch.Tensor]:
     """Every decoder layer of a step of N <= NATIVE_MAX_ROWS tokens on the paged cache, each token a kernel row of
     paged_decode, in one call: x (1, N, H) -> [stream after the last layer (1, N, H), then after each layer of
-    `capture` (increasing)]. k_stores/v_stores (Hkv, NB, bs, D) per layer; slots (N,), tables (N, nb), lens (N,)."""
-    return _KERNEL.paged_step_layers(x, layers, k_stores, v_stores, cos, signed_sin, slots, tables, lens, num_heads,
-                                     num_kv_heads, eps, scale, THREADS, capture)
+    `capture` (increasing)]. k_stores/v_stores (Hkv, NB, bs, D) per layer; slots (N,), tables (N, nb), lens (N,);
+    hidden (N,) the keys each row does not see (a tree of drafts), or empty."""
+    return _KERNEL.paged_step_layers(x, layers, k_stores, v_stores, cos, signed_sin, slots, tables, lens, hidden,
+                                     num_heads, num_kv_heads, eps, scale, THREADS, capture)

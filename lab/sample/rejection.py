@@ -17,12 +17,14 @@ import torch
 
 from lab.request import SamplingParams
 from lab.sample.sampler import Sampler, filter_logits
+from lab.spec.tree import walk_greedy
 
 
 @dataclass(slots=True)
 class VerifyResult:
     token_ids: list[int]        # accepted draft tokens + one target token: 1 .. k+1 tokens
     num_accepted: int           # accepted draft tokens (0 .. k)
+    path: list[int] | None = None   # a tree's accepted drafts (their indices, root down); None: a chain's prefix
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -59,6 +61,14 @@ class RejectionSampler:
                 return VerifyResult(draft_token_ids[:i] + [correction], i)
         bonus = int(torch.multinomial(p[k], 1, generator=generator))
         return VerifyResult(list(draft_token_ids) + [bonus], k)
+
+    @staticmethod
+    def verify_tree_greedy(target_logits: torch.Tensor, draft_token_ids: list[int], parents: list[int]
+                           ) -> VerifyResult:
+        """A tree of drafts (lab/spec/tree.py), greedy: target_logits (1 + n, V) at the root and at every draft ->
+        the longest path of drafts that are each the target's token after their parent, and the target's next."""
+        path, target = walk_greedy(target_logits.argmax(dim=-1).tolist(), draft_token_ids, parents)
+        return VerifyResult([draft_token_ids[i] for i in path] + [target], len(path), path)
 
     @staticmethod
     def _verify_greedy(target_logits: torch.Tensor, draft_token_ids: list[int]) -> VerifyResult:

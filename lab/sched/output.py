@@ -35,6 +35,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)     # newest first
     num_prefix_hit_tokens: int = 0                                     # KV reused at admission
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts fed this step
+    scheduled_spec_parents: dict[str, list[int]] = field(default_factory=dict)    # those that are a tree's
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled.append(request)

@@ -86,13 +86,16 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:   # preempted earlier in this step
                 continue
             num_uncomputed = request.num_tokens - request.num_computed_tokens
-            # NOTE: drafts ride along with a decode's last token; the budget may cut some of them.
+            # NOTE: drafts ride along with a decode's last token; the budget may cut some of them (a tree's
+            # depth-first order keeps every cut a tree).
             num_spec = min(len(request.spec_token_ids), budget - 1) if num_uncomputed == 1 else 0
             num_new = min(num_uncomputed + num_spec, budget)
             if self._allocate_or_preempt(request, num_new, out):
                 out.add(request, num_new)
                 if num_spec > 0:
                     out.scheduled_spec_token_ids[request.request_id] = request.spec_token_ids[:num_spec]
+                    if request.spec_parents is not None:
+                        out.scheduled_spec_parents[request.request_id] = request.spec_parents[:num_spec]
                 budget -= num_new
         if not out.preempted_request_ids:
             self._admit(out, budget)
@@ -155,7 +158,7 @@ class Scheduler:
             tokens = [] if sampled is None else [sampled] if isinstance(sampled, int) else sampled
             num_rejected = num_spec - (len(tokens) - 1) if tokens else 0
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id] - num_rejected
-            request.spec_token_ids = []
+            request.spec_token_ids, request.spec_parents = [], None
             for token_id in tokens:
                 if request.append_output_token(token_id, self.eos_token_ids, now):
                     self.running.remove(request)

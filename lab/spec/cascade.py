@@ -50,6 +50,9 @@ class CascadeProposer:
         self.num_fallback_drafts += sum(1 for d in fallback.values() if d.token_ids)
         return {**drafts, **fallback}
 
+    def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        self.fallback.move_positions(request_id, src, dst)   # NOTE: only the fallback drafts trees
+
     def free(self, request_id: str) -> None:
         self.primary.free(request_id)
         self.fallback.free(request_id)

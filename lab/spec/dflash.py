@@ -55,8 +55,8 @@ class _ContextKV:
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
-                 lookahead_masks: int | None = None) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate)
+                 lookahead_masks: int | None = None, tree_width: int = 1) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width)
         self.block_size = drafter.block_size
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
@@ -125,9 +125,9 @@ class DFlashProposer(FeatureProposer):
 
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
-                       ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+                       ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
         """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
-        greedy) and the drafter's confidences."""
+        greedy), the drafter's confidences and (a tree, tree_width > 1) each greedy row's best tokens."""
         num_seqs = len(active)
         context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
@@ -138,7 +138,8 @@ class DFlashProposer(FeatureProposer):
         hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k)           # (S, k, H)
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
-        return self.pick(hidden.reshape(num_seqs * k, -1), params, [g for g in generators for _ in range(k)])
+        return self.pick(hidden.reshape(num_seqs * k, -1), params, [g for g in generators for _ in range(k)],
+                         tree_rows=self.tree_width > 1)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
@@ -153,15 +154,15 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        if (self.graphs is not None and self.graphs.fits(num_seqs)
+        if (self.graphs is not None and self.graphs.fits(num_seqs) and self.tree_width == 1
                 and all(r.sampling_params.is_greedy for r in active)):
             tokens, confidence = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
                                                  [r.num_tokens - 1 for r in active], block, k)
-            probs = [None] * len(tokens)
+            probs, best = [None] * len(tokens), [[] for _ in tokens]
             if confidence is None:   # NOTE: no gate: every drafted position counts as sure
                 confidence = [1.0] * len(tokens)
         else:
-            tokens, probs, confidence = self._draft_eagerly(active, contexts, block, k, [g for _, g in pairs])
+            tokens, probs, confidence, best = self._draft_eagerly(active, contexts, block, k, [g for _, g in pairs])
         self.num_forwards += 1
         out = {}
         for row, request in enumerate(active):
@@ -169,9 +170,8 @@ class DFlashProposer(FeatureProposer):
             # NOTE: the whole block is drafted at once; only its confident head goes to verification.
             length = self.gate.length(confidence[span]) if self.gate.active else k
             if length:
-                drafted = probs[span][:length]
-                out[request.request_id] = Draft(tokens[span][:length],
-                                                None if drafted[0] is None else torch.stack(drafted))
+                out[request.request_id] = self.draft(request, tokens[span][:length], probs[span][:length],
+                                                     best[row * k])
         return out
 
 
@@ -182,7 +182,8 @@ class DFlashProposerConfig:
     first N token ids only (0: all); half_weights: stream fp16 copies of the weights in few-row products;
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
-    lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null)."""
+    lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
+    tree_width: verify the block's tree_width best first tokens, not only its best (a tree; 1: a chain)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
     seed: int = 0
@@ -192,6 +193,7 @@ class DFlashProposerConfig:
     min_confidence: float = 0.0
     always_draft: int = 0
     lookahead_masks: int | None = None
+    tree_width: int = 1
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -211,4 +213,5 @@ class DFlashProposerConfig:
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
-                              ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks)
+                              ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
+                              self.tree_width)

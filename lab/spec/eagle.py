@@ -26,8 +26,9 @@ from lab.spec.proposer import Draft
 
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
-                 draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate)
+                 draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None,
+                 tree_width: int = 1) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width)
         c = target.config
         # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
@@ -85,7 +86,7 @@ class EagleProposer(FeatureProposer):
             return {}
         params, gens = [r.sampling_params for r, _ in active], [g for _, g in active]
         features = self._forward(seqs, token_ids, torch.cat(prev))                             # (R, H)
-        drafted, probs, confidence = self.pick(features, params, gens)
+        drafted, probs, confidence, best_first = self.pick(features, params, gens, tree_rows=True)
         tokens, dists, confidences = [[t] for t in drafted], [[q] for q in probs], [[c] for c in confidence]
         live = [row for row in range(len(active)) if self.gate.may_extend(confidences[row])]
         features = features[live]                                                              # (len(live), H)
@@ -95,7 +96,7 @@ class EagleProposer(FeatureProposer):
             step = [SeqSlice(seqs[r].block_table, seqs[r].num_context_tokens + seqs[r].num_query_tokens + i - 1, 1)
                     for r in live]
             features = self._forward(step, [tokens[r][-1] for r in live], features)
-            drafted, probs, confidence = self.pick(features, [params[r] for r in live], [gens[r] for r in live])
+            drafted, probs, confidence, _ = self.pick(features, [params[r] for r in live], [gens[r] for r in live])
             for r, token, q, c in zip(live, drafted, probs, confidence):
                 tokens[r].append(token)
                 dists[r].append(q)
@@ -108,9 +109,8 @@ class EagleProposer(FeatureProposer):
             self.kv.commit(request.request_id, request.all_token_ids)
             length = self.gate.length(confidences[row])
             if length:
-                row_dists = dists[row][:length]
-                out[request.request_id] = Draft(tokens[row][:length],
-                                                None if row_dists[0] is None else torch.stack(row_dists))
+                out[request.request_id] = self.draft(request, tokens[row][:length], dists[row][:length],
+                                                     best_first[row])
         return out
 
 
@@ -119,7 +119,8 @@ class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
     draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
     the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
-    confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py)."""
+    confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py);
+    tree_width: verify the head's tree_width best first tokens, not only its best (a tree; 1: a chain)."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle_mix.pt"
     seed: int = 0
@@ -127,6 +128,7 @@ class EagleProposerConfig:
     half_weights: bool = True
     min_confidence: float = 0.0
     always_draft: int = 0
+    tree_width: int = 1
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
@@ -137,4 +139,4 @@ class EagleProposerConfig:
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
         drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
         return EagleProposer(target, drafter, num_blocks, block_size, self.draft_vocab_size, self.half_weights,
-                             ConfidenceGate(self.min_confidence, self.always_draft))
+                             ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width)

@@ -37,7 +37,12 @@ from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_wei
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.spec.features import FeatureStore
-from lab.spec.proposer import pick_draft_tokens
+from lab.spec.proposer import Draft, pick_draft_tokens
+from lab.spec.tree import with_siblings
+
+# NOTE: a tree's verify step is the root, the chain and tree_width - 1 runners-up: at most the native kernel's
+# rows (MAX_KERNEL_QUERY_TOKENS) with a short chain; wider trees run through `gather`.
+MAX_TREE_WIDTH = 8
 
 
 def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
@@ -128,7 +133,11 @@ def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[
 
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
-                 half_weights: bool = False, gate: ConfidenceGate | None = None) -> None:
+                 half_weights: bool = False, gate: ConfidenceGate | None = None, tree_width: int = 1) -> None:
+        if not 1 <= tree_width <= MAX_TREE_WIDTH:
+            raise LabError(f"engine.proposer.tree_width must be 1 (a chain of drafts) to {MAX_TREE_WIDTH}, got "
+                           f"{tree_width}", "e.g. engine.proposer.tree_width=3: the drafter's 3 best first tokens")
+        self.tree_width = tree_width   # candidates for the first drafted position (greedy requests; lab/spec/tree.py)
         self.gate = gate or ConfidenceGate()
         self.target = target.model
         self.drafter = drafter
@@ -161,27 +170,50 @@ class FeatureProposer:
         """Drafter hidden states (..., H) -> logits (..., V) through the target's frozen norm and head."""
         return self.head_logits(self.output_norm(hidden))
 
-    def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-             ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+    def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+             tree_rows: bool = False) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
         """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
-        drafter's confidence: the largest probability of its distribution there; 1.0 when the gate is off)."""
-        gated = self.gate.active
+        drafter's confidence: the largest probability of its distribution there, 1.0 when the gate is off; and,
+        with `tree_rows` and tree_width > 1, each greedy row's tree_width best tokens (else [])."""
+        gated, width = self.gate.active, self.tree_width if tree_rows else 1
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
-            tokens, confidence = self.greedy_drafts(hidden)
+            head = self.head_scores(hidden)                                                  # (R, N)
+            tokens, confidence = self.greedy_from_scores(head)
+            best = head.topk(width, -1).indices.tolist() if width > 1 else [[] for _ in params]
             return (tokens.tolist(), [None] * len(params),
-                    confidence.tolist() if confidence is not None else [1.0] * len(params))
+                    confidence.tolist() if confidence is not None else [1.0] * len(params), best)
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
-        return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params)
+        best = [row.topk(width).indices.tolist() if width > 1 and p.is_greedy else []
+                for row, p in zip(logits, params)]
+        return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params), best
+
+    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter hidden states (..., H) -> fp32 scores (..., N or V) of the draft vocabulary (or all of it)."""
+        normed = self.output_norm(hidden)
+        return (self.draft_head(normed) if self.draft_head is not None
+                else self.target.compute_logits(normed)).float()
+
+    def greedy_from_scores(self, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """head_scores (..., N) -> the greedy draft tokens (...) and, with the gate on, the drafter's largest
+        probability at each (...), else None."""
+        return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
 
     def greedy_drafts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafter hidden states (..., H) -> the greedy draft tokens (...) and, with the gate on, the drafter's
         largest probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
-        normed = self.output_norm(hidden)
-        head = (self.draft_head(normed) if self.draft_head is not None
-                else self.target.compute_logits(normed)).float()                            # (..., N or V)
-        return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
+        return self.greedy_from_scores(self.head_scores(hidden))
+
+    def draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
+              best_first: list[int]) -> Draft:
+        """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
+        tokens (`best_first`, from `pick(..., tree_rows=True)`) offer runners-up and the request is greedy."""
+        if len(best_first) > 1 and request.sampling_params.is_greedy:
+            token_ids, parents = with_siblings(tokens, best_first)
+            if len(token_ids) > len(tokens):
+                return Draft(token_ids, None, parents)
+        return Draft(tokens, None if probs[0] is None else torch.stack(probs))
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's
@@ -192,6 +224,9 @@ class FeatureProposer:
         logits = head.new_full((*head.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., :head.shape[-1]] = head
         return logits
+
+    def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        self.store.move(request_id, src, dst)
 
     def free(self, request_id: str) -> None:
         self.store.free(request_id)

@@ -40,6 +40,11 @@ class FeatureStore:
     def read(self, request_id: str, start: int, end: int) -> torch.Tensor:
         return self._rows[request_id][start:end]                                    # (end - start, F)
 
+    def move(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        """Features of positions `src` now belong to positions `dst` (a tree's accepted path, lab/spec/tree.py)."""
+        rows = self._rows[request_id]
+        rows[dst] = rows[src]
+
     def free(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
         self._filled.pop(request_id, None)

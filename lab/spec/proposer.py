@@ -14,12 +14,22 @@ import torch
 
 from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
+from lab.spec.tree import limit_depth
 
 
 @dataclass(slots=True)
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None   # (len(token_ids), V) q distributions; None = deterministic (one-hot)
+    parents: list[int] | None = None    # a tree of drafts (greedy only): each token's parent; None: a chain
+
+    def limit_depth(self, max_depth: int) -> None:
+        """Keep what a request with room for `max_depth` more tokens can use: a chain's first tokens, a tree's
+        nodes at most that deep."""
+        if self.parents is None:
+            self.token_ids = self.token_ids[:max_depth]
+        else:
+            self.token_ids, self.parents = limit_depth(self.token_ids, self.parents, max_depth)
 
 
 class Proposer(Protocol):
@@ -34,6 +44,11 @@ class Proposer(Protocol):
 
     def free(self, request_id: str) -> None:
         """The request finished or was aborted: release whatever the proposer holds for it."""
+        ...
+
+    def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
+        """A tree's accepted path was verified at positions `src` and now stands at `dst`: move what the proposer
+        observed there (only proposers that draft trees, `Draft.parents`, are asked)."""
         ...
 
     def reset_history(self) -> None:

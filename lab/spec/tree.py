@@ -1,0 +1,82 @@
+"""A tree of drafts (`engine.proposer.tree_width`): several candidates for the first drafted position, verified
+in one target forward (EAGLE-2's and Medusa's tree attention, at its simplest useful shape).
+
+A draft tree is its tokens in depth-first order with the parent of each (`parents[i]`, an earlier index, or -1:
+the request's last token, the root). The drafter's chain comes first, so a chain is the tree whose parents are
+-1, 0, 1, ...; the other candidates for the first position follow as children of the root:
+
+    root ── c1 ── c1's next ── ...        (the chain: tokens 0 .. L-1)
+       ├── c2                             (tokens L, L+1, ...: the drafter's runners-up at the first position)
+       └── c3
+
+The verify step feeds the root and every node; each node takes its depth as position and sees only the context,
+its ancestors and itself (SeqSlice.tree, the attention backends' hidden keys). Greedy verification walks from the
+root: where the target's token is one of the node's children, that child is accepted and the walk goes on from
+its row. The accepted path's keys and values (and features) are then moved to where a chain's would be.
+
+Only greedy requests draft trees: lossless rejection sampling over several candidates (SpecInfer's) is not built,
+so a sampling request's draft stays a chain. Where extra verify rows are nearly free (a GPU at batch 1), the
+runners-up buy acceptance for little; on one CPU core each row costs (docs/speculative.md, session 22).
+
+Owns: the tree's shape: building it, cutting it, walking it.
+"""
+
+from __future__ import annotations
+
+ROOT = -1
+
+
+def chain_parents(length: int) -> list[int]:
+    """A chain of `length` drafts as a tree: each token's parent is the one before it."""
+    return list(range(-1, length - 1))
+
+
+def with_siblings(chain: list[int], siblings: list[int]) -> tuple[list[int], list[int]]:
+    """The chain (its first token being the drafter's best candidate) plus `siblings`, other candidates for the
+    first position -> (token_ids, parents) in depth-first order. Siblings equal to the chain's first token are
+    dropped."""
+    siblings = [t for t in dict.fromkeys(siblings) if not chain or t != chain[0]]
+    if not chain:
+        return [], []
+    return list(chain) + siblings, chain_parents(len(chain)) + [ROOT] * len(siblings)
+
+
+def depths(parents: list[int]) -> list[int]:
+    """The depth of every node (1: a child of the root)."""
+    out: list[int] = []
+    for i, parent in enumerate(parents):
+        if not ROOT <= parent < i:
+            raise ValueError(f"draft {i} has parent {parent}: parents must come before their children")
+        out.append(1 if parent == ROOT else out[parent] + 1)
+    return out
+
+
+def limit_depth(token_ids: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
+    """The nodes at most `max_depth` deep (a request with room for that many more tokens), parents re-indexed."""
+    kept: dict[int, int] = {}
+    tokens, new_parents = [], []
+    for i, (token, parent, depth) in enumerate(zip(token_ids, parents, depths(parents))):
+        if depth <= max_depth:
+            kept[i] = len(tokens)
+            tokens.append(token)
+            new_parents.append(ROOT if parent == ROOT else kept[parent])
+    return tokens, new_parents
+
+
+def is_chain(parents: list[int]) -> bool:
+    return parents == chain_parents(len(parents))
+
+
+def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """target_ids (1 + n): the target's greedy token at the root's row, then at each node's row -> (the accepted
+    nodes from the root down, the target's token after the last of them)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], ROOT
+    while True:
+        target = target_ids[node + 1]
+        node = next((c for c in children.get(node, ()) if token_ids[c] == target), None)
+        if node is None:
+            return path, target
+        path.append(node)

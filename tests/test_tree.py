@@ -1,0 +1,178 @@
+"""A tree of drafts (lab/spec/tree.py): its shape helpers, its attention (a node sees the context, its ancestors and
+itself, in every backend, and the native kernel's hidden keys equal a plain attention over the keys it sees), and a
+tree whose accepted path leaves the chain has its keys moved where a chain's would be. Engine-level losslessness
+with trained drafters is in test_drafters.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lab.engines.ar import AREngine
+from lab.engines.speculative import SpeculativeEngine
+from lab.errors import LabError
+from lab.kv_cache import PagedKVCacheConfig
+from lab.kv_cache.block_kv import BlockKVCache, SeqSlice, tree_layout
+from lab.kv_cache.native_attention import NativeMeta, load_kernel
+from lab.runner import ModelRunner
+from lab.sample.rejection import RejectionSampler
+from lab.sched import SchedulerConfig
+from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.eagle import EagleProposerConfig
+from lab.spec.proposer import Draft
+from lab.spec.tree import ROOT, chain_parents, depths, is_chain, limit_depth, walk_greedy, with_siblings
+from tests.helpers import make_requests
+
+needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
+
+
+def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
+    tokens, parents = with_siblings([7, 8, 9], [7, 4, 5, 4])     # the best (7) is the chain's; 4 only once
+    assert tokens == [7, 8, 9, 4, 5] and parents == [ROOT, 0, 1, ROOT, ROOT]
+    assert depths(parents) == [1, 2, 3, 1, 1] and not is_chain(parents) and is_chain(chain_parents(3))
+    assert with_siblings([], [3, 4]) == ([], [])
+    assert limit_depth(tokens, parents, 1) == ([7, 4, 5], [ROOT, ROOT, ROOT])
+    assert limit_depth(tokens, parents, 2) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
+    draft = Draft([7, 8, 9, 4], None, [ROOT, 0, 1, ROOT])
+    draft.limit_depth(2)
+    assert draft.token_ids == [7, 8, 4] and draft.parents == [ROOT, 0, ROOT]
+    chain = Draft([1, 2, 3])
+    chain.limit_depth(2)
+    assert chain.token_ids == [1, 2] and chain.parents is None
+    with pytest.raises(ValueError, match="parents must come before"):
+        depths([ROOT, 1])
+
+
+def test_greedy_walk_follows_the_child_the_target_picks() -> None:
+    tokens, parents = [7, 8, 9, 4, 5], [ROOT, 0, 1, ROOT, ROOT]
+    # rows: root, 7, 8, 9, 4, 5; the target's token at each
+    assert walk_greedy([7, 8, 9, 1, 0, 0], tokens, parents) == ([0, 1, 2], 1)   # the whole chain, then a bonus
+    assert walk_greedy([5, 0, 0, 0, 0, 6], tokens, parents) == ([4], 6)         # a runner-up, then its row's token
+    assert walk_greedy([7, 3, 0, 0, 0, 0], tokens, parents) == ([0], 3)
+    assert walk_greedy([2, 0, 0, 0, 0, 0], tokens, parents) == ([], 2)
+    logits = torch.full((6, 10), -1.0)
+    for row, token in enumerate([5, 0, 0, 0, 0, 6]):
+        logits[row, token] = 1.0
+    result = RejectionSampler.verify_tree_greedy(logits, tokens, parents)
+    assert result.token_ids == [5, 6] and result.num_accepted == 1 and result.path == [4]
+
+
+def test_tree_layout_gives_depths_and_the_keys_each_token_does_not_see() -> None:
+    # root, a (root's), a's child, b (root's), c (root's)
+    depth, hidden = tree_layout((0, 1, 0, 0))
+    assert depth == [0, 1, 2, 1, 1]
+    # bit i of hidden[j]: token j does not see token j - i
+    assert hidden == [0, 0, 0, 0b110, 0b1110]   # b hides a's child and a; c hides b, a's child and a
+    with pytest.raises(ValueError, match="parent must come before"):
+        tree_layout((0, 3))
+
+
+def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q (Hq, D), keys/values (S, Hkv, D) -> (Hq, D): plain attention over exactly these keys."""
+    group = q.shape[0] // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(group, 0)                                   # (Hq, S, D)
+    v = values.transpose(0, 1).repeat_interleave(group, 0)
+    return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
+
+
+@pytest.mark.parametrize("backend", ["native", "gather", "fast"])
+def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> None:
+    """A decode, then a tree of 6 tokens (root; a chain of 2; 3 runners-up), then a chain verify: every token's
+    output is plain attention over the context, its ancestors and itself (`fast` runs the step as `gather`)."""
+    if backend == "native" and load_kernel() is None:
+        pytest.skip("the native kernels need a compiler and AVX2")
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 40
+    tree = (0, 1, 0, 0, 0)
+    seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3)]
+    num_tokens = sum(s.num_query_tokens for s in seqs)
+    q = torch.randn(1, num_tokens, heads, head_dim, generator=generator)
+    k = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
+    v = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
+    cache = BlockKVCache(1, kv_heads, head_dim, num_blocks, block_size, torch.float32, torch.device("cpu"), backend)
+    stores = torch.Generator().manual_seed(1)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=stores))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=stores))
+    cache.begin_step(seqs)
+    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8]   # the tree's by depth
+    if backend == "native":
+        assert isinstance(cache._meta, NativeMeta) and cache._meta.hidden is not None
+        assert cache.native_step() is not None and cache.native_step()[3].tolist()[1:7] == tree_layout(tree)[1]
+    out = cache.attend(0, q, k, v)[0]                                                       # (N, Hq, D)
+
+    def stored(seq: SeqSlice, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.tensor([seq.block_table[p // block_size] * block_size + p % block_size for p in positions])
+        flat = (kv_heads, -1, head_dim)
+        return (cache.k[0].view(flat)[:, slots].transpose(0, 1), cache.v[0].view(flat)[:, slots].transpose(0, 1))
+
+    row = 0
+    for seq in seqs:
+        parents = (seq.tree if seq.tree is not None else tuple(range(seq.num_query_tokens - 1)))
+        for j in range(seq.num_query_tokens):
+            seen, node = [], j
+            while True:
+                seen.append(node)
+                if node == 0:
+                    break
+                node = parents[node - 1]
+            positions = list(range(seq.num_context_tokens)) + [seq.num_context_tokens + i for i in sorted(seen)]
+            keys, values = stored(seq, positions)
+            torch.testing.assert_close(out[row], _reference(q[0, row], keys, values), atol=1e-5, rtol=1e-5)
+            row += 1
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
+def test_the_kernel_refuses_to_hide_a_rows_own_key() -> None:
+    q = torch.randn(1, 1, 1, 8)
+    store = torch.randn(1, 2, 4, 8)
+    tables, lens = torch.tensor([[0, 1]]), torch.tensor([5])
+    out = torch.empty_like(q)
+    for hidden in (torch.tensor([1]), torch.tensor([1 << 5])):
+        with pytest.raises(RuntimeError, match="hides its own key or keys it does not have"):
+            load_kernel().paged_decode(q, store, store, tables, lens, hidden, 1 / math.sqrt(8), out)
+
+
+def test_a_tree_accepted_off_the_chain_moves_its_keys_where_a_chain_would_have_them(
+        tiny_runner: ModelRunner) -> None:
+    """A runner-up accepted (an untrained drafter's, a few times in 6 x 24 tokens): the output is still the target's,
+    and the cache holds exactly the keys `ar`'s prefill of the same tokens computes."""
+    prompts = [torch.randint(3, 128, (4 + (7 * i) % 23,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(6)]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    kv = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
+    engine = SpeculativeEngine(tiny_runner, EagleProposerConfig(checkpoint=None, tree_width=4, draft_vocab_size=0),
+                               num_spec_tokens=2, scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                               kv_cache=kv)
+    moved = []
+    real_move = engine.kv_cache.move_tokens
+
+    def check_move(src: list[int], dst: list[int]) -> None:
+        moved.append((src, dst))
+        real_move(src, dst)
+
+    engine.kv_cache.move_tokens = check_move
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    stats = engine.stats()
+    assert stats["spec/tree_off_chain_accepts"] == len(moved) > 0, stats
+    assert all(s != d for src, dst in moved for s, d in zip(src, dst))
+
+
+def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runner: ModelRunner) -> None:
+    """Trees are for greedy requests: with sampling, tree_width changes nothing (the same seeded output)."""
+    prompts = [[5, 9, 17, 33, 2, 8], [4, 4, 12, 90, 61]]
+    outputs = []
+    for width in (1, 3):
+        engine = SpeculativeEngine(tiny_runner, DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4},
+                                                                      tree_width=width, draft_vocab_size=0),
+                                   num_spec_tokens=2, kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=64,
+                                                                                  kv_cache_memory_mb=None))
+        requests = make_requests(prompts, 12, ignore_eos=True, temperature=0.8, seed=5)
+        outputs.append([r.output_token_ids for r in engine.run(requests).requests])
+        assert engine.stats()["spec/tree_off_chain_accepts"] == 0
+    assert outputs[0] == outputs[1]
+    for width in (0, 9):
+        with pytest.raises(LabError, match="tree_width must be 1"):
+            EagleProposerConfig(checkpoint=None, tree_width=width).build(tiny_runner, 64, 4)
