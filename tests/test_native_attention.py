@@ -46,7 +46,8 @@ def test_kernel_matches_sdpa_over_gathered_blocks() -> None:
     tables = torch.randperm(num_blocks, generator=generator)[:num_seqs * 4].view(num_seqs, 4)
     q = torch.randn(num_seqs, num_kv_heads, group, head_dim, generator=generator)
     out = torch.empty_like(q)
-    load_kernel().paged_decode(q, k_store, v_store, tables, lens, torch.empty(0, dtype=torch.long), 1 / math.sqrt(head_dim), out)
+    no_hidden = torch.empty(0, dtype=torch.long)
+    load_kernel().paged_decode(q, k_store, v_store, tables, lens, no_hidden, 1 / math.sqrt(head_dim), out)
     for i in range(num_seqs):
         keys = k_store[:, tables[i]].reshape(num_kv_heads, -1, head_dim)[:, :lens[i]]        # (Hkv, S, D)
         values = v_store[:, tables[i]].reshape(num_kv_heads, -1, head_dim)[:, :lens[i]]

@@ -15,7 +15,8 @@ from lab.engines.ar import AREngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
-from lab.kv_cache.block_kv import BlockKVCache, SeqSlice, tree_layout
+from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
+from lab.kv_cache.tree_mask import tree_layout
 from lab.kv_cache.native_attention import NativeMeta, load_kernel
 from lab.runner import ModelRunner
 from lab.sample.rejection import RejectionSampler
@@ -80,14 +81,16 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("backend", ["native", "gather", "fast"])
 def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> None:
-    """A decode, then a tree of 6 tokens (root; a chain of 2; 3 runners-up), then a chain verify: every token's
-    output is plain attention over the context, its ancestors and itself (`fast` runs the step as `gather`)."""
+    """A decode, a tree of 6 tokens (root; a chain of 2; 3 runners-up), a chain verify, a prefill chunk and a tree
+    after it (which `native` leaves to SDPA with the chunk): every token's output is plain attention over the
+    context, its ancestors and itself."""
     if backend == "native" and load_kernel() is None:
         pytest.skip("the native kernels need a compiler and AVX2")
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 40
     tree = (0, 1, 0, 0, 0)
-    seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3)]
+    seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3),
+            SeqSlice([20, 21, 22, 23, 24], 6, 12), SeqSlice([30, 31], 2, 4, (0, 0, 1))]
     num_tokens = sum(s.num_query_tokens for s in seqs)
     q = torch.randn(1, num_tokens, heads, head_dim, generator=generator)
     k = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
@@ -97,10 +100,11 @@ def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> N
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=stores))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=stores))
     cache.begin_step(seqs)
-    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8]   # the tree's by depth
+    # NOTE: the trees' positions by depth
+    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8, *range(6, 18), 2, 3, 3, 4]
     if backend == "native":
-        assert isinstance(cache._meta, NativeMeta) and cache._meta.hidden is not None
-        assert cache.native_step() is not None and cache.native_step()[3].tolist()[1:7] == tree_layout(tree)[1]
+        assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == 10
+        assert cache._meta.hidden.tolist()[1:7] == tree_layout(tree)[1] and len(cache._meta.chunks.chunks) == 2
     out = cache.attend(0, q, k, v)[0]                                                       # (N, Hq, D)
 
     def stored(seq: SeqSlice, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,3 +180,22 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
     for width in (0, 9):
         with pytest.raises(LabError, match="tree_width must be 1"):
             EagleProposerConfig(checkpoint=None, tree_width=width).build(tiny_runner, 64, 4)
+    with pytest.raises(LabError, match="tree_min_prob must be in"):
+        DFlashProposerConfig(checkpoint=None, tree_width=2, tree_min_prob=1.5).build(tiny_runner, 64, 4)
+
+
+def test_tree_min_prob_keeps_only_the_runners_up_the_drafter_believes_in(tiny_runner: ModelRunner) -> None:
+    """tree_min_prob 1: no runner-up is ever that likely, so the tree is the chain (the same drafts, token for
+    token); 0: every runner-up; in between: some."""
+    prompts = [[5, 9, 17, 33, 2, 8], [4, 4, 12, 90, 61], [7, 1, 3]]
+    drafted = {}
+    for width, min_prob in ((1, 0.0), (4, 1.0), (4, 0.0), (4, 0.02)):
+        engine = SpeculativeEngine(tiny_runner, EagleProposerConfig(checkpoint=None, tree_width=width,
+                                                                     tree_min_prob=min_prob, draft_vocab_size=0),
+                                   num_spec_tokens=2, kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=64,
+                                                                                  kv_cache_memory_mb=None))
+        engine.run(make_requests(prompts, 12, ignore_eos=True))
+        stats = engine.stats()
+        drafted[width, min_prob] = (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"])
+    assert drafted[4, 1.0] == drafted[1, 0.0]
+    assert drafted[1, 0.0][0] < drafted[4, 0.02][0] < drafted[4, 0.0][0], drafted

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.errors import LabError
+from lab.kv_cache.tree_mask import hidden_keys
 from lab.kv_cache.native_attention import NativeAttention
 from lab.kv_cache.split_attention import SplitAttention
 
@@ -26,10 +27,8 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(Protocol):
-    def prepare(self, cache: BlockKVCache, index: StepIndex) -> object: ...
-
-    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
-        """Whether it can attend this step's tree of drafts (`index.hidden`); if not, `gather` runs the step."""
+    def prepare(self, cache: BlockKVCache, index: StepIndex) -> object:
+        """The step's plan; a request's tree of drafts (SeqSlice.tree) is masked: each token sees its ancestors."""
         ...
 
     def attend(self, cache: BlockKVCache, meta: object, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
@@ -63,9 +62,6 @@ class GatherMeta:
 
 
 class GatherAttention:
-    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
-        return True
-
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> GatherMeta:
         num_seqs, bs = len(index.seqs), cache.block_size
         ctx, qlen = index.context_lens, index.query_lens
@@ -82,11 +78,9 @@ class GatherAttention:
         # NOTE: a padded query row may see key 0 only, so SDPA never softmaxes an all-masked row.
         mask = torch.where(query_valid[..., None], causal, key_pos == 0)
         if index.hidden is not None:   # NOTE: a tree of drafts: a token does not see its siblings' branches
-            for row, start, seq in zip(range(num_seqs), index.q_start, index.seqs):
-                for t, bits in enumerate(index.hidden[start:start + seq.num_query_tokens].tolist()):
-                    for b in range(1, bits.bit_length()):
-                        if bits >> b & 1:
-                            mask[row, t, seq.num_context_tokens + t - b] = False
+            for row in range(num_seqs):
+                for t, key in hidden_keys(index, row):
+                    mask[row, t, key] = False
         seq_idx = torch.repeat_interleave(torch.arange(num_seqs), qlen)
         out_index = seq_idx * max_query + (torch.arange(len(seq_idx)) - starts[seq_idx])
         device = cache.device

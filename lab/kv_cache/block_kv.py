@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.kv_cache.block_attention import make_backend
+from lab.kv_cache.tree_mask import NO_HIDDEN, tree_layout
 from lab.profiling.ranges import profile_range
 
 
@@ -64,8 +65,6 @@ class BlockKVCache:
         self.device = device
         self.scratch_block: int | None = num_blocks if scratch_block else None
         self.backend = make_backend(backend)
-        self._tree_backend = make_backend("gather")
-        self._step_backend = self.backend   # this step's: `backend`, or `gather` for a tree `backend` cannot mask
         self.index: StepIndex | None = None
         self._meta: object = None
 
@@ -77,10 +76,7 @@ class BlockKVCache:
         """Build this step's indices; the model's forward follows with the same token order. Without
         `prepare_backend` the step runs elsewhere (a fixed-shape decode view) and only the index is built."""
         self.index = build_step_index(seqs, self.block_size, self.device)
-        self._step_backend = self.backend
-        if self.index.hidden is not None and not self.backend.supports_tree(self, self.index):
-            self._step_backend = self._tree_backend   # NOTE: a tree the backend cannot mask: the reference does
-        self._meta = self._step_backend.prepare(self, self.index) if prepare_backend else None
+        self._meta = self.backend.prepare(self, self.index) if prepare_backend else None
 
     def store(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write N new tokens' k/v (N, Hkv, D) at their flat storage slots (N,)."""
@@ -92,11 +88,11 @@ class BlockKVCache:
         """(slot_mapping (N,), tables (N, nb), lens (N,), hidden (N,) or empty) when the native backend attends
         every token of this step as one kernel row (a decode or verify step, fp32 on CPU), so the model may run all
         its layers in one native call (native_gemv.paged_step_layers) instead of `attend` per layer; else None."""
-        kernel_rows = getattr(self._step_backend, "kernel_rows", None)
+        kernel_rows = getattr(self.backend, "kernel_rows", None)
         rows = kernel_rows(self._meta) if kernel_rows is not None and self.index is not None else None
         if rows is None or rows[1].numel() != self.index.slot_mapping.numel():
             return None
-        hidden = self.index.hidden if self.index.hidden is not None else _NO_HIDDEN
+        hidden = self.index.hidden if self.index.hidden is not None else NO_HIDDEN
         return self.index.slot_mapping, rows[0], rows[1], hidden
 
     def move_tokens(self, src_slots: list[int], dst_slots: list[int]) -> None:
@@ -115,7 +111,7 @@ class BlockKVCache:
         # published this step reads it in the same forward that computes it.
         with profile_range("attention"):
             self.store(layer_idx, self.index.slot_mapping, k[0], v[0])
-            out = self._step_backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
+            out = self.backend.attend(self, self._meta, layer_idx, q[0], k[0], v[0])   # (N, Hq, D)
         return out.unsqueeze(0)
 
 
@@ -123,26 +119,6 @@ class BlockKVCache:
 # tensor ops: a decode or verify step has a few tokens per request, where each small tensor op (~5-10 us)
 # costs more than the loop; a prefill chunk of thousands of tokens is the other way round.
 PYTHON_INDEX_MAX_TOKENS = 256
-
-
-_NO_HIDDEN = torch.empty(0, dtype=torch.long)
-
-
-def tree_layout(parents: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """A step's tree of T query tokens (`SeqSlice.tree`: the parent of tokens 1..T-1) -> (each token's depth,
-    each token's hidden-key bits: bit b = it does not see token j - b, the keys before the step all seen)."""
-    if len(parents) >= 63:
-        raise ValueError(f"a tree of {len(parents) + 1} tokens: at most 63 fit the hidden-key bits")
-    depth, ancestors = [0], [1]                    # ancestors[j]: bit i = token i is j or one of j's ancestors
-    for j, parent in enumerate(parents, start=1):
-        if not 0 <= parent < j:
-            raise ValueError(f"tree token {j} has parent {parent}: a parent must come before its children")
-        depth.append(depth[parent] + 1)
-        ancestors.append(ancestors[parent] | 1 << j)
-    hidden = []
-    for j, seen in enumerate(ancestors):
-        hidden.append(sum(1 << (j - i) for i in range(j) if not seen >> i & 1))
-    return depth, hidden
 
 
 def build_step_index(seqs: list[SeqSlice], block_size: int, device: torch.device) -> StepIndex:

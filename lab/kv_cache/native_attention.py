@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lab.kv_cache.split_attention import SplitAttention, SplitMeta
+from lab.kv_cache.tree_mask import NO_HIDDEN
 from lab.models import native_gemv
 
 if TYPE_CHECKING:
@@ -38,9 +39,6 @@ def load_kernel() -> Any | None:
 # exactly as k + 1 decodes would (same kernel, same sums: its logits equal a decode's). Longer chunks
 # (prefill) go to SplitAttention's causal SDPA, which reads the context once for all their tokens.
 MAX_KERNEL_QUERY_TOKENS = 8
-
-
-_NO_HIDDEN = torch.empty(0, dtype=torch.long)
 
 
 def _num_short(index: StepIndex) -> int:
@@ -69,13 +67,6 @@ class NativeAttention:
     def usable(self, cache: BlockKVCache) -> bool:
         return (cache.device.type == "cpu" and cache.k[0].dtype == torch.float32 and cache.head_dim % 8 == 0
                 and load_kernel() is not None)
-
-    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
-        """A tree's tokens are kernel rows when the cache is the kernel's and no chunk comes before it."""
-        if not self.usable(cache):
-            return False
-        num_short = _num_short(index)
-        return all(seq.tree is None for seq in index.seqs[num_short:])
 
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> NativeMeta | SplitMeta:
         if not self.usable(cache):
@@ -121,7 +112,7 @@ class NativeAttention:
             num_rows, (num_heads, head_dim) = meta.num_rows, q.shape[1:]
             group = (num_rows, cache.num_kv_heads, num_heads // cache.num_kv_heads, head_dim)
             queries = q[:num_rows].contiguous().view(group)                                   # (rows, Hkv, G, D)
-            hidden = meta.hidden if meta.hidden is not None else _NO_HIDDEN
+            hidden = meta.hidden if meta.hidden is not None else NO_HIDDEN
             native_gemv._KERNEL.paged_decode(queries, cache.k[layer_idx], cache.v[layer_idx], meta.tables,
                                              meta.lens, hidden, 1 / math.sqrt(head_dim), out[:num_rows].view(group))
         return out

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lab.kv_cache.tree_mask import hidden_keys
+
 if TYPE_CHECKING:
     from lab.kv_cache.block_kv import BlockKVCache, StepIndex
 
@@ -79,9 +81,6 @@ class SplitAttention:
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None   # flat buffer for gathered decode keys and values
 
-    def supports_tree(self, cache: BlockKVCache, index: StepIndex) -> bool:
-        return False   # NOTE: its batched decodes and causal chunks have no per-token mask; `gather` has
-
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> SplitMeta:
         num_decodes = 0
         for seq in index.seqs:
@@ -129,13 +128,15 @@ class SplitAttention:
     def _prepare_chunk(cache: BlockKVCache, index: StepIndex, i: int) -> ChunkMeta:
         seq, start = index.seqs[i], index.q_start[i]
         num_context, num_query = seq.num_context_tokens, seq.num_query_tokens
-        if num_context == 0:
+        if num_context == 0 and seq.tree is None:
             return ChunkMeta(start, start + num_query, 0, None, None)
         num_keys = num_context + num_query
         num_blocks = -(-num_keys // cache.block_size)
         block_ids = index.block_tables[i, :num_blocks]
         query_pos = torch.arange(num_context, num_keys)[:, None]
         mask = (torch.arange(num_keys)[None] <= query_pos)[None, None]                      # (1, 1, T, S)
+        for t, key in hidden_keys(index, i):   # NOTE: a tree of drafts: a token sees its ancestors only
+            mask[0, 0, t, key] = False
         single = seq.block_table[0] if num_blocks == 1 else -1
         return ChunkMeta(start, start + num_query, num_context, block_ids, mask.to(cache.device), single)
 

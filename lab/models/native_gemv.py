@@ -725,12 +725,14 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
 // (bit-identical, as decode_layers), for N <= NATIVE_MAX_ROWS tokens in all, so every projection is the few-row
 // GEMV there too. x (1, N, H) embedded; layers as decode_layers; k_stores[i], v_stores[i] (Hkv, NB, bs, D); cos,
 // sin (1, N, 1, D); slots (N,) each token's flat storage index; tables (N, max_blocks), lens (N,), hidden (N,) or
-// empty, int64: each token's block table, its key count and the keys it does not see (paged_decode's rows). Returns {the residual stream after the last layer
-// (1, N, H), then the stream after each layer of `capture`, in order}.
+// empty, int64: each token's block table, its key count and the keys it does not see (paged_decode's rows).
+// Returns {the residual stream after the last layer (1, N, H), then the stream after each layer of `capture`, in
+// order}.
 std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> layers,
                                           std::vector<at::Tensor> k_stores, std::vector<at::Tensor> v_stores,
                                           at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor tables,
-                                          at::Tensor lens, at::Tensor hidden, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                          at::Tensor lens, at::Tensor hidden, int64_t num_heads,
+                                          int64_t num_kv_heads, double eps,
                                           double scale, int64_t max_threads, std::vector<int64_t> capture) {
   TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "paged_step_layers: x must be (1, N, H)");
   TORCH_CHECK(k_stores.size() == layers.size() && v_stores.size() == layers.size(),

@@ -55,8 +55,8 @@ class _ContextKV:
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
-                 lookahead_masks: int | None = None, tree_width: int = 1) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width)
+                 lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
         self.block_size = drafter.block_size
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
@@ -183,7 +183,8 @@ class DFlashProposerConfig:
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
-    tree_width: verify the block's tree_width best first tokens, not only its best (a tree; 1: a chain)."""
+    tree_width: verify the block's tree_width best first tokens, not only its best (a tree; 1: a chain), a runner-up
+    only where the drafter gives it >= tree_min_prob."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
     seed: int = 0
@@ -194,6 +195,7 @@ class DFlashProposerConfig:
     always_draft: int = 0
     lookahead_masks: int | None = None
     tree_width: int = 1
+    tree_min_prob: float = 0.0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -214,4 +216,4 @@ class DFlashProposerConfig:
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
-                              self.tree_width)
+                              self.tree_width, self.tree_min_prob)

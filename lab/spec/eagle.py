@@ -27,8 +27,8 @@ from lab.spec.proposer import Draft
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
                  draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None,
-                 tree_width: int = 1) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width)
+                 tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
+        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
         c = target.config
         # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
@@ -120,7 +120,8 @@ class EagleProposerConfig:
     draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
     the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
     confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py);
-    tree_width: verify the head's tree_width best first tokens, not only its best (a tree; 1: a chain)."""
+    tree_width: verify the head's tree_width best first tokens, not only its best (a tree; 1: a chain), a runner-up
+    only where the head gives it >= tree_min_prob."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle_mix.pt"
     seed: int = 0
@@ -129,6 +130,7 @@ class EagleProposerConfig:
     min_confidence: float = 0.0
     always_draft: int = 0
     tree_width: int = 1
+    tree_min_prob: float = 0.0
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
@@ -139,4 +141,5 @@ class EagleProposerConfig:
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
         drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
         return EagleProposer(target, drafter, num_blocks, block_size, self.draft_vocab_size, self.half_weights,
-                             ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width)
+                             ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width,
+                             self.tree_min_prob)

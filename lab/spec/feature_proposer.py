@@ -133,11 +133,16 @@ def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[
 
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
-                 half_weights: bool = False, gate: ConfidenceGate | None = None, tree_width: int = 1) -> None:
+                 half_weights: bool = False, gate: ConfidenceGate | None = None, tree_width: int = 1,
+                 tree_min_prob: float = 0.0) -> None:
         if not 1 <= tree_width <= MAX_TREE_WIDTH:
             raise LabError(f"engine.proposer.tree_width must be 1 (a chain of drafts) to {MAX_TREE_WIDTH}, got "
                            f"{tree_width}", "e.g. engine.proposer.tree_width=3: the drafter's 3 best first tokens")
+        if not 0.0 <= tree_min_prob <= 1.0:
+            raise LabError(f"engine.proposer.tree_min_prob must be in [0, 1], got {tree_min_prob}",
+                           "e.g. 0.3: a runner-up joins the tree only where the drafter gives it >= 30 %")
         self.tree_width = tree_width   # candidates for the first drafted position (greedy requests; lab/spec/tree.py)
+        self.tree_min_prob = tree_min_prob   # ... each kept only where the drafter's probability of it is >= this
         self.gate = gate or ConfidenceGate()
         self.target = target.model
         self.drafter = drafter
@@ -174,20 +179,29 @@ class FeatureProposer:
              tree_rows: bool = False) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
         """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
         drafter's confidence: the largest probability of its distribution there, 1.0 when the gate is off; and,
-        with `tree_rows` and tree_width > 1, each greedy row's tree_width best tokens (else [])."""
+        with `tree_rows` and tree_width > 1, each greedy row's best tokens: up to tree_width, best first, those past
+        the first only with probability >= tree_min_prob (else [])."""
         gated, width = self.gate.active, self.tree_width if tree_rows else 1
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
             head = self.head_scores(hidden)                                                  # (R, N)
             tokens, confidence = self.greedy_from_scores(head)
-            best = head.topk(width, -1).indices.tolist() if width > 1 else [[] for _ in params]
+            best = self._best(head, width) if width > 1 else [[] for _ in params]
             return (tokens.tolist(), [None] * len(params),
                     confidence.tolist() if confidence is not None else [1.0] * len(params), best)
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
-        best = [row.topk(width).indices.tolist() if width > 1 and p.is_greedy else []
+        best = [self._best(row[None], width)[0] if width > 1 and p.is_greedy else []
                 for row, p in zip(logits, params)]
         return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params), best
+
+    def _best(self, scores: torch.Tensor, width: int) -> list[list[int]]:
+        """scores (R, N) -> per row its `width` best tokens, the runners-up only where their probability reaches
+        tree_min_prob."""
+        top = torch.softmax(scores, -1).topk(width, -1)
+        return [[token for rank, (token, prob) in enumerate(zip(tokens, probs))
+                 if rank == 0 or prob >= self.tree_min_prob]
+                for tokens, probs in zip(top.indices.tolist(), top.values.tolist())]
 
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states (..., H) -> fp32 scores (..., N or V) of the draft vocabulary (or all of it)."""
