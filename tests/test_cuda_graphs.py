@@ -118,7 +118,10 @@ def _spec_proposers(tiny_source) -> dict:
     return {"draft_equals_target": DraftModelProposerConfig(source=tiny_source),
             "ngram": NgramProposerConfig(min_n=1, max_n=3),
             "eagle": EagleProposerConfig(checkpoint=None),
-            "dflash": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4})}
+            "dflash": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}),
+            # NOTE: a tree of drafts: verify steps whose mask hides each node's siblings
+            "dflash_tree": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, tree_width=3,
+                                                draft_vocab_size=0)}
 
 
 def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: int) -> SpeculativeEngine:
@@ -129,7 +132,7 @@ def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: in
 
 
 @pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
-                                                   ("ngram", 4), ("eagle", 1), ("dflash", 4)])
+                                                   ("ngram", 4), ("eagle", 1), ("dflash", 4), ("dflash_tree", 4)])
 def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: int, tiny_source,
                                                  tiny_runner: ModelRunner) -> None:
     prompts = [p * 2 for p in random_prompts(6, tiny_runner.vocab_size, seed=5, max_len=12)]   # repeats: n-gram drafts
@@ -149,8 +152,10 @@ def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: in
         assert stats["spec_decode_acceptance_rate"] == pytest.approx(100.0)
     if proposer == "ngram":
         assert stats["cuda_graph/padded_row_share"] > 0   # requests with fewer drafts than the longest
-    if proposer == "dflash":
+    if proposer.startswith("dflash"):
         assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
+    if proposer == "dflash_tree":   # NOTE: 1 + 3 drafts + 2 runners-up
+        assert engine.decode_graphs.max_query_len == 6 and max(query_lens) > 4, query_lens
     assert engine.kv_manager.num_held_blocks == 0
 
 
@@ -199,7 +204,7 @@ def test_cuda_graph_replays_give_the_eager_engines_tokens(kv: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("proposer", ["ngram", "dflash"])
+@pytest.mark.parametrize("proposer", ["ngram", "dflash", "dflash_tree"])
 def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) -> None:
     source = tiny(seed=0, vocab_size=128, with_tokenizer=False)
     runner = ModelRunner(source, dtype="float32", device="cuda")
@@ -212,6 +217,6 @@ def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) ->
         assert engine.kv_manager.num_held_blocks == 0
     stats = engine.stats()
     assert stats["cuda_graph/replays"] > 0 and max(key[2] for key in engine.decode_graphs._graphs) > 1
-    if proposer == "dflash":   # NOTE: its block forward replays graphs of its own (lab/spec/dflash_graphs.py)
+    if proposer.startswith("dflash"):   # NOTE: its block forward replays graphs of its own (lab/spec/dflash_graphs.py)
         assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
     assert outputs["cuda"] == outputs["off"]

@@ -278,6 +278,29 @@ def test_dflash_blocks_drafted_in_fixed_shape_graphs_are_the_eager_drafts(traine
     assert stats["eager"]["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_trees_of_drafts_in_fixed_shape_graphs_verify_as_the_eager_engine(trained: dict, kind: str,
+                                                                         tiny_runner: ModelRunner) -> None:
+    """engine.cuda_graphs.mode=eager with tree_width 3: verify steps carrying trees run in the fixed-shape view
+    (its mask hides a node's siblings as the native kernel does), DFlash's block forward returns the first
+    position's candidates from its static buffers; the same acceptance as the eager engine, `ar`'s output."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    stats = {}
+    for mode in ("off", "eager"):
+        config = _proposer(kind, trained[kind][0])
+        config.tree_width = 3
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                                   cuda_graphs=CudaGraphConfig(mode=mode, capture_sizes=(1, 2, 4)))
+        served = run_one_arrival_per_step(engine, make_requests(prompts, 24, ignore_eos=True))
+        assert [r.output_token_ids for r in served] == expected, mode
+        stats[mode] = engine.stats()
+    assert stats["eager"]["cuda_graph/replays"] > 0 and stats["eager"]["spec/tree_off_chain_accepts"] > 0
+    for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec/tree_off_chain_accepts"):
+        assert stats["eager"][key] == stats["off"][key], key
+
+
 def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_runner: ModelRunner) -> None:
     prompts = [p * 2 for p in _prompts(3, seed=4)]   # shared blocks the prefix cache would serve
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 10, ignore_eos=True)).requests]

@@ -113,10 +113,8 @@ class ContinuousBatchingEngine(Engine):
         A request that reaches its last known token gets logits there and, with speculation, at each
         of its draft tokens too (1 + num_spec rows, consecutive)."""
         phase = _phase_name(out)
-        # NOTE: a tree of drafts needs its attention mask: never a graph.
-        graph = (self.decode_graphs is not None and phase == "decode" and not out.scheduled_spec_parents
-                 and self.decode_graphs.fits(len(out.scheduled),
-                                             1 + max(map(len, out.scheduled_spec_token_ids.values()), default=0)))
+        graph = (self.decode_graphs is not None and phase == "decode" and self.decode_graphs.fits(
+            len(out.scheduled), 1 + max(map(len, out.scheduled_spec_token_ids.values()), default=0)))
         with profile_range("prepare_inputs"):
             batch = self._prepare_inputs(out, prepare_attention=not graph)
         batch.in_graph = graph

@@ -8,8 +8,9 @@ The view has `num_rows` rows (P; a step of R <= P requests fills the first R, th
 accepted token, then the k drafts), and a request with fewer drafts pads the end of its row. A step copies its
 token ids and indices into the view's buffers (`load`); the forward then writes every token's key/value at its
 slot and attends over all W * block_size key positions of its row's table, causally: query q of a row sees
-the row's context and its queries 0..q. Padding rows and padding queries write into the cache's scratch block,
-which no request owns; their outputs are never read.
+the row's context and its queries 0..q, less the keys a tree of drafts hides from it (`hidden`, the same bits as
+the native kernel's: a node sees its ancestors, not its siblings; lab/kv_cache/tree_mask.py). Padding rows and
+padding queries write into the cache's scratch block, which no request owns; their outputs are never read.
 
 Owns: the static index buffers and the attention math over them. Ignores: which request a row is.
 """
@@ -41,6 +42,7 @@ class StaticDecodeView:
                                        device=device)                                                # (P, W)
         self.seq_lens = torch.ones(num_rows, dtype=torch.long, device=device)   # (P,) keys of the row's query 0
         self.slot_mapping = torch.full((num_tokens,), self.scratch_slot, dtype=torch.long, device=device)  # (P*Q,)
+        self.hidden = torch.zeros(num_tokens, dtype=torch.long, device=device)   # (P*Q,) hidden-key bits; 0: none
         self._block_offsets = torch.arange(bs, device=device)                                       # (bs,)
         self._key_positions = torch.arange(self.num_keys, device=device)                            # (S,)
         self._query_offsets = torch.arange(query_len, device=device)                                # (Q,)
@@ -80,6 +82,9 @@ class StaticDecodeView:
         self.seq_lens[num_seqs:].fill_(1)
         self.slot_mapping.fill_(self.scratch_slot)
         self.slot_mapping.index_copy_(0, rows, index.slot_mapping.to(rows.device))
+        self.hidden.zero_()
+        if index.hidden is not None:
+            self.hidden.index_copy_(0, rows, index.hidden.to(rows.device))
         return rows
 
     def begin_forward(self) -> None:
@@ -87,7 +92,11 @@ class StaticDecodeView:
         bs = self.cache.block_size
         self._key_index = (self.block_tables[:, :, None] * bs + self._block_offsets).view(-1)      # (P * S,)
         visible = self.seq_lens[:, None] + self._query_offsets                                     # (P, Q)
-        self._mask = (self._key_positions < visible[:, :, None])[:, None]                          # (P, 1, Q, S)
+        # NOTE: how far each key is behind each query (0: the query's own key); a tree's hidden bits index that.
+        behind = visible[:, :, None] - 1 - self._key_positions                                     # (P, Q, S)
+        bits = self.hidden.view(self.num_rows, self.query_len)[:, :, None] >> behind.clamp(0, 62)
+        hidden = (behind > 0) & (behind < 63) & (bits & 1).bool()                                  # (P, Q, S)
+        self._mask = ((behind >= 0) & ~hidden)[:, None]                                            # (P, 1, Q, S)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, P*Q, Hq, D), k/v (1, P*Q, Hkv, D) -> (1, P*Q, Hq, D)."""

@@ -33,6 +33,7 @@ class CascadeProposer:
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
         self.feature_layers = fallback.feature_layers
+        self.num_runners_up = getattr(fallback, "num_runners_up", 0)   # NOTE: only the fallback drafts trees
         self.num_primary_drafts = self.num_fallback_drafts = 0
 
     def observe(self, layout: list[tuple[Request, int, int]], features: torch.Tensor) -> None:

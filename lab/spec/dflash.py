@@ -127,7 +127,8 @@ class DFlashProposer(FeatureProposer):
                        generators: list[torch.Generator | None]
                        ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
         """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
-        greedy), the drafter's confidences and (a tree, tree_width > 1) each greedy row's best tokens."""
+        greedy), the drafter's confidences and per request the first position's best tokens (a tree,
+        tree_width > 1; else [])."""
         num_seqs = len(active)
         context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
@@ -138,8 +139,10 @@ class DFlashProposer(FeatureProposer):
         hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k)           # (S, k, H)
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
-        return self.pick(hidden.reshape(num_seqs * k, -1), params, [g for g in generators for _ in range(k)],
-                         tree_rows=self.tree_width > 1)
+        tokens, probs, confidence, best = self.pick(hidden.reshape(num_seqs * k, -1), params,
+                                                    [g for g in generators for _ in range(k)],
+                                                    tree_rows=self.tree_width > 1)
+        return tokens, probs, confidence, best[::k]
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
@@ -154,11 +157,11 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        if (self.graphs is not None and self.graphs.fits(num_seqs) and self.tree_width == 1
+        if (self.graphs is not None and self.graphs.fits(num_seqs)
                 and all(r.sampling_params.is_greedy for r in active)):
-            tokens, confidence = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
-                                                 [r.num_tokens - 1 for r in active], block, k)
-            probs, best = [None] * len(tokens), [[] for _ in tokens]
+            tokens, confidence, best = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
+                                                       [r.num_tokens - 1 for r in active], block, k)
+            probs = [None] * len(tokens)
             if confidence is None:   # NOTE: no gate: every drafted position counts as sure
                 confidence = [1.0] * len(tokens)
         else:
@@ -171,7 +174,7 @@ class DFlashProposer(FeatureProposer):
             length = self.gate.length(confidence[span]) if self.gate.active else k
             if length:
                 out[request.request_id] = self.draft(request, tokens[span][:length], probs[span][:length],
-                                                     best[row * k])
+                                                     best[row])
         return out
 
 

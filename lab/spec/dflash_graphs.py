@@ -67,9 +67,10 @@ class DFlashBlockGraphs:
 
     @torch.inference_mode()
     def run(self, contexts: list[_ContextKV], last_ids: list[int], first_positions: list[int], block: int,
-            k: int) -> tuple[list[int], list[float] | None]:
-        """S requests' contexts, last tokens and block starts -> their k greedy drafts each, flat (S * k,), and
-        with a confidence gate the drafter's largest probability at each (else None)."""
+            k: int) -> tuple[list[int], list[float] | None, list[list[int]]]:
+        """S requests' contexts, last tokens and block starts -> their k greedy drafts each, flat (S * k,), with a
+        confidence gate the drafter's largest probability at each (else None), and per request the first
+        position's best tokens when the proposer drafts trees (tree_width > 1; else [])."""
         num_seqs = len(contexts)
         width = pow2_width(max(MIN_CONTEXT_WIDTH, *(c.length for c in contexts)), self.max_context)
         key = (bucket_size(self.capture_sizes, num_seqs), width, block, k)
@@ -77,12 +78,14 @@ class DFlashBlockGraphs:
         self._load(graph.inputs, contexts, last_ids, first_positions)
         if graph.graph is not None:
             graph.graph.replay()
-            tokens, confidence = graph.outputs
+            tokens, confidence, top = graph.outputs
         else:
-            tokens, confidence = self._forward(graph.inputs, block, k)
+            tokens, confidence, top = self._forward(graph.inputs, block, k)
         self.num_replays += 1
         tokens_list = tokens[:num_seqs].flatten().tolist()
-        return tokens_list, None if confidence is None else confidence[:num_seqs].flatten().tolist()
+        best = ([[] for _ in range(num_seqs)] if top is None
+                else self.proposer.kept_candidates(top[0][:num_seqs], top[1][:num_seqs]))
+        return tokens_list, None if confidence is None else confidence[:num_seqs].flatten().tolist(), best
 
     def _load(self, inputs: _BlockInputs, contexts: list[_ContextKV], last_ids: list[int],
               first_positions: list[int]) -> None:
@@ -98,7 +101,8 @@ class DFlashBlockGraphs:
         if self.proposer.drafter.reads_last_context:
             inputs.last_stream[:num_seqs, 0].copy_(torch.stack([c.last_stream for c in contexts]))
 
-    def _forward(self, inputs: _BlockInputs, block: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, inputs: _BlockInputs, block: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         proposer = self.proposer
         num_rows, width = inputs.context.shape[2], inputs.context.shape[4]
         last_stream = inputs.last_stream if proposer.drafter.reads_last_context else None
@@ -108,7 +112,10 @@ class DFlashBlockGraphs:
         context_kv = [(layer[0], layer[1]) for layer in inputs.context]
         hidden = proposer.block_hidden(inputs.last_ids, last_stream, inputs.first_positions, context_kv, mask,
                                        block, k)                                                 # (P, k, H)
-        return proposer.greedy_drafts(hidden)                                                    # (P, k) each
+        scores = proposer.head_scores(hidden)                                                    # (P, k, N)
+        tokens, confidence = proposer.greedy_from_scores(scores)                                 # (P, k) each
+        width = proposer.tree_width
+        return tokens, confidence, proposer.candidates(scores[:, 0], width) if width > 1 else None   # (P, W) each
 
     def _build(self, num_rows: int, width: int, block: int, k: int, sample: torch.Tensor) -> _BlockGraph:
         """sample: a context's data (layers, 2, Hkv, capacity, D), for the buffers' shapes, dtype and device."""

@@ -143,6 +143,7 @@ class FeatureProposer:
                            "e.g. 0.3: a runner-up joins the tree only where the drafter gives it >= 30 %")
         self.tree_width = tree_width   # candidates for the first drafted position (greedy requests; lab/spec/tree.py)
         self.tree_min_prob = tree_min_prob   # ... each kept only where the drafter's probability of it is >= this
+        self.num_runners_up = tree_width - 1   # the most tokens a tree adds to a chain
         self.gate = gate or ConfidenceGate()
         self.target = target.model
         self.drafter = drafter
@@ -198,10 +199,21 @@ class FeatureProposer:
     def _best(self, scores: torch.Tensor, width: int) -> list[list[int]]:
         """scores (R, N) -> per row its `width` best tokens, the runners-up only where their probability reaches
         tree_min_prob."""
+        return self.kept_candidates(*self.candidates(scores, width))
+
+    @staticmethod
+    def candidates(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores (R, N) -> the `width` best tokens of each row and their probabilities, (R, width) each. No host
+        synchronisation: a CUDA graph can capture it."""
         top = torch.softmax(scores, -1).topk(width, -1)
-        return [[token for rank, (token, prob) in enumerate(zip(tokens, probs))
+        return top.indices, top.values
+
+    def kept_candidates(self, tokens: torch.Tensor, probs: torch.Tensor) -> list[list[int]]:
+        """candidates' (R, width) tokens and probabilities -> per row the best token, then the runners-up whose
+        probability reaches tree_min_prob."""
+        return [[token for rank, (token, prob) in enumerate(zip(row_tokens, row_probs))
                  if rank == 0 or prob >= self.tree_min_prob]
-                for tokens, probs in zip(top.indices.tolist(), top.values.tolist())]
+                for row_tokens, row_probs in zip(tokens.tolist(), probs.tolist())]
 
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafter hidden states (..., H) -> fp32 scores (..., N or V) of the draft vocabulary (or all of it)."""
@@ -211,13 +223,8 @@ class FeatureProposer:
 
     def greedy_from_scores(self, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """head_scores (..., N) -> the greedy draft tokens (...) and, with the gate on, the drafter's largest
-        probability at each (...), else None."""
+        probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
         return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
-
-    def greedy_drafts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drafter hidden states (..., H) -> the greedy draft tokens (...) and, with the gate on, the drafter's
-        largest probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
-        return self.greedy_from_scores(self.head_scores(hidden))
 
     def draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
               best_first: list[int]) -> Draft:
