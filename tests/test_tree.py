@@ -24,7 +24,7 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.proposer import Draft
-from lab.spec.tree import ROOT, chain_parents, depths, is_chain, limit_depth, walk_greedy, with_siblings
+from lab.spec.tree import ROOT, chain_parents, depths, limit_depth, walk_greedy, with_siblings
 from tests.helpers import make_requests
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
@@ -33,7 +33,7 @@ needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kern
 def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
     tokens, parents = with_siblings([7, 8, 9], [7, 4, 5, 4])     # the best (7) is the chain's; 4 only once
     assert tokens == [7, 8, 9, 4, 5] and parents == [ROOT, 0, 1, ROOT, ROOT]
-    assert depths(parents) == [1, 2, 3, 1, 1] and not is_chain(parents) and is_chain(chain_parents(3))
+    assert depths(parents) == [1, 2, 3, 1, 1] and depths(chain_parents(3)) == [1, 2, 3]
     assert with_siblings([], [3, 4]) == ([], [])
     assert limit_depth(tokens, parents, 1) == ([7, 4, 5], [ROOT, ROOT, ROOT])
     assert limit_depth(tokens, parents, 2) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
@@ -153,9 +153,9 @@ def test_a_tree_accepted_off_the_chain_moves_its_keys_where_a_chain_would_have_t
     moved = []
     real_move = engine.kv_cache.move_tokens
 
-    def check_move(src: list[int], dst: list[int]) -> None:
+    def check_move(table: list[int], src: list[int], dst: list[int]) -> None:
         moved.append((src, dst))
-        real_move(src, dst)
+        real_move(table, src, dst)
 
     engine.kv_cache.move_tokens = check_move
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected

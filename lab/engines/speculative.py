@@ -148,10 +148,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if not moves:
             return
         self.num_tree_off_chain += 1
-        table, block_size = self.kv_manager.block_table(request.request_id), self.kv_manager.block_size
-        slots = [[table[p // block_size] * block_size + p % block_size for p in positions] for positions in zip(*moves)]
-        self.kv_cache.move_tokens(*slots)
-        self.proposer.move_positions(request.request_id, *map(list, zip(*moves)))
+        src, dst = (list(positions) for positions in zip(*moves))
+        self.kv_cache.move_tokens(self.kv_manager.block_table(request.request_id), src, dst)
+        self.proposer.move_positions(request.request_id, src, dst)
 
     def _count(self, num_spec: int, num_accepted: int) -> None:
         self.num_drafts += 1

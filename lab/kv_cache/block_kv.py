@@ -95,11 +95,12 @@ class BlockKVCache:
         hidden = self.index.hidden if self.index.hidden is not None else NO_HIDDEN
         return self.index.slot_mapping, rows[0], rows[1], hidden
 
-    def move_tokens(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Copy the keys and values of flat storage slots `src_slots` to `dst_slots`, in every layer (a tree's
+    def move_tokens(self, block_table: list[int], src_positions: list[int], dst_positions: list[int]) -> None:
+        """Copy one request's keys and values at `src_positions` to `dst_positions`, in every layer (a tree's
         accepted path, moved to where a chain's would be)."""
-        src = torch.tensor(src_slots, dtype=torch.long, device=self.device)
-        dst = torch.tensor(dst_slots, dtype=torch.long, device=self.device)
+        bs = self.block_size
+        src, dst = (torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
+                                 device=self.device) for positions in (src_positions, dst_positions))
         flat_shape = (self.num_kv_heads, -1, self.head_dim)
         for store in self.k + self.v:
             flat = store.view(flat_shape)

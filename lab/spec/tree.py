@@ -63,10 +63,6 @@ def limit_depth(token_ids: list[int], parents: list[int], max_depth: int) -> tup
     return tokens, new_parents
 
 
-def is_chain(parents: list[int]) -> bool:
-    return parents == chain_parents(len(parents))
-
-
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
     """target_ids (1 + n): the target's greedy token at the root's row, then at each node's row -> (the accepted
     nodes from the root down, the target's token after the last of them)."""
