@@ -32,6 +32,7 @@ from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
+from lab.spec.tree import ROOT
 from lab.training import data as training_data
 from lab.training.data import (DataConfig, Sequence, generate_responses, load_training_data, online_features,
                                reference_sequences, target_features)
@@ -208,22 +209,36 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
 def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: dict, kind: str, max_num_seqs: int,
                                                                       token_budget: int,
                                                                       tiny_runner: ModelRunner) -> None:
-    """tree_width 3: the drafter's two runners-up for the first position are verified beside its chain. The output
-    is `ar`'s; a runner-up is accepted on some steps (its keys and features moved where the chain's would be), so
-    each draft gets more tokens accepted than the chain alone. A token budget of 7 for 4 requests cuts trees short."""
+    """tree_width 3: DFlash's two runners-up for the first position are verified beside its chain; EAGLE drafts a
+    beam (its chain and the likeliest others, depth after depth). The output is `ar`'s; a runner-up is accepted on
+    some steps (its keys and features moved where the chain's would be), so each draft gets more tokens accepted
+    than the chain alone. A token budget of 7 for 4 requests cuts trees short."""
     prompts = _prompts(16, seed=3)[8:14]
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
-    stats = {}
+    stats, drafts = {}, {}
     for width in (1, 3):
         config = _proposer(kind, trained[kind][0])
         config.tree_width = width
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                              max_num_batched_tokens=token_budget))
+        drafts[width] = []
+        propose = engine.proposer.propose
+
+        def recording_propose(*args, _propose=propose, _drafts=drafts[width]):
+            out = _propose(*args)
+            _drafts.extend(out.values())
+            return out
+
+        engine.proposer.propose = recording_propose
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
         stats[width] = engine.stats()
         assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
     assert stats[3]["spec/tree_off_chain_accepts"] > 0 and stats[1]["spec/tree_off_chain_accepts"] == 0
+    assert all(d.parents is None for d in drafts[1]) and any(d.parents is not None for d in drafts[3])
+    # NOTE: a node under a runner-up of the first position: EAGLE's beam goes on there, DFlash's tree does not
+    under_runner_up = any(p > 0 and d.parents[p] == ROOT for d in drafts[3] if d.parents for p in d.parents)
+    assert under_runner_up == (kind == "eagle")
     if token_budget > 7:   # NOTE: with 7 tokens for 4 requests a tree's extra rows leave other requests undrafted
         tau = {width: s["spec_decode_acceptance_length"] for width, s in stats.items()}
         assert tau[3] > tau[1], tau

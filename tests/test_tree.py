@@ -24,7 +24,7 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.proposer import Draft
-from lab.spec.tree import ROOT, chain_parents, depths, limit_depth, walk_greedy, with_siblings
+from lab.spec.tree import ROOT, DraftTree, chain_parents, depths, limit_depth, walk_greedy, with_siblings
 from tests.helpers import make_requests
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
@@ -47,6 +47,18 @@ def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
         depths([ROOT, 1])
 
 
+def test_a_draft_tree_keeps_the_chain_and_the_likeliest_others() -> None:
+    tree = DraftTree()
+    tree.grow([(ROOT, 5, .6), (ROOT, 7, .3), (ROOT, 9, .1)], width=2, min_prob=0.0, chain=(ROOT, 5, .6))
+    assert tree.token_ids == [5, 7] and tree.frontier == [0, 1] and tree.chain_tip == 0
+    # depth 2: 5's children at .6 x .5 and .6 x .2, 7's at .3 x .9: the chain's, then the likelier other
+    tree.grow([(0, 1, .3), (0, 2, .12), (1, 3, .27)], width=2, min_prob=0.2, chain=(0, 1, .3))
+    assert tree.token_ids == [5, 7, 1, 3] and tree.parents == [ROOT, ROOT, 0, 1] and tree.chain_tip == 2
+    assert tree.depth_first() == ([5, 1, 7, 3], [ROOT, 0, ROOT, 2])   # the chain leads
+    tree.grow([(2, 4, .05), (3, 6, .25)], width=2, min_prob=0.1, chain=None)   # the gate stopped the chain
+    assert tree.frontier == [4] and tree.token_ids[4] == 6 and tree.chain_tip is None
+
+
 def test_greedy_walk_follows_the_child_the_target_picks() -> None:
     tokens, parents = [7, 8, 9, 4, 5], [ROOT, 0, 1, ROOT, ROOT]
     # rows: root, 7, 8, 9, 4, 5; the target's token at each
@@ -67,6 +79,8 @@ def test_tree_layout_gives_depths_and_the_keys_each_token_does_not_see() -> None
     assert depth == [0, 1, 2, 1, 1]
     # bit i of hidden[j]: token j does not see token j - i
     assert hidden == [0, 0, 0, 0b110, 0b1110]   # b hides a's child and a; c hides b, a's child and a
+    # a drafter's candidates: tokens 0 and 1 both hang on the context, 2 under 1
+    assert tree_layout((-1, 1)) == ([0, 0, 1], [0, 0b10, 0b100])
     with pytest.raises(ValueError, match="parent must come before"):
         tree_layout((0, 3))
 

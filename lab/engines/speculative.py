@@ -61,10 +61,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
         if self.decode_graphs is not None and num_spec_tokens:
-            # NOTE: verify steps (1 + up to k tokens per request, and a tree's runners-up) replay graphs too, which
-            # also return the features a feature-reading drafter observes.
-            runners_up = getattr(self.proposer, "num_runners_up", 0)
-            self.decode_graphs.configure(1 + num_spec_tokens + runners_up, tuple(self.proposer.feature_layers))
+            # NOTE: verify steps (1 + up to k drafts per request, more for a tree) replay graphs too, which also
+            # return the features a feature-reading drafter observes.
+            tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
+            max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
+            self.decode_graphs.configure(1 + max_drafts, tuple(self.proposer.feature_layers))
             if hasattr(self.proposer, "use_graphs"):   # NOTE: the drafter's forward too (DFlash)
                 self.proposer.use_graphs(self.decode_graphs.mode, self.decode_graphs.capture_sizes,
                                          runner.max_model_len)

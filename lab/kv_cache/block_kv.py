@@ -26,8 +26,9 @@ class SeqSlice:
     """One request's share of a step's flat batch.
 
     `tree`: the step's tokens are a tree of drafts (lab/spec/tree.py), not a chain: the parent (query index) of
-    query tokens 1..T-1; query 0 is the root. Token j is still stored at `num_context_tokens + j`, but its
-    position is the context plus its depth, and it sees the context, its ancestors and itself only."""
+    query tokens 1..T-1; query 0 is the root (-1: another root, as a drafter's first-position candidates are). Token
+    j is still stored at `num_context_tokens + j`, but its position is the context plus its depth, and it sees the
+    context, its ancestors and itself only."""
 
     block_table: list[int]
     num_context_tokens: int   # tokens whose KV is already stored (num_computed_tokens)

@@ -18,16 +18,17 @@ NO_HIDDEN = torch.empty(0, dtype=torch.long)   # the kernels' "every token sees 
 
 
 def tree_layout(parents: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """A step's tree of T query tokens (`SeqSlice.tree`: the parent of tokens 1..T-1) -> (each token's depth,
-    each token's hidden-key bits: bit b = it does not see token j - b, the keys before the step all seen)."""
+    """A step's tree of T query tokens (`SeqSlice.tree`: the parent of tokens 1..T-1; -1: a token that hangs on
+    the context itself, as token 0 does: a drafter's first-position candidates) -> (each token's depth, each
+    token's hidden-key bits: bit b = it does not see token j - b, the keys before the step all seen)."""
     if len(parents) >= 63:
         raise ValueError(f"a tree of {len(parents) + 1} tokens: at most 63 fit the hidden-key bits")
     depth, ancestors = [0], [1]                    # ancestors[j]: bit i = token i is j or one of j's ancestors
     for j, parent in enumerate(parents, start=1):
-        if not 0 <= parent < j:
+        if not -1 <= parent < j:
             raise ValueError(f"tree token {j} has parent {parent}: a parent must come before its children")
-        depth.append(depth[parent] + 1)
-        ancestors.append(ancestors[parent] | 1 << j)
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+        ancestors.append((0 if parent < 0 else ancestors[parent]) | 1 << j)
     hidden = []
     for j, seen in enumerate(ancestors):
         hidden.append(sum(1 << (j - i) for i in range(j) if not seen >> i & 1))

@@ -33,7 +33,6 @@ class CascadeProposer:
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
         self.feature_layers = fallback.feature_layers
-        self.num_runners_up = getattr(fallback, "num_runners_up", 0)   # NOTE: only the fallback drafts trees
         self.num_primary_drafts = self.num_fallback_drafts = 0
 
     def observe(self, layout: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
@@ -50,6 +49,12 @@ class CascadeProposer:
         self.num_primary_drafts += len(drafts)
         self.num_fallback_drafts += sum(1 for d in fallback.values() if d.token_ids)
         return {**drafts, **fallback}
+
+    def max_drafts(self, num_spec_tokens: int) -> int:
+        """The primary's chain, or the fallback's draft (a tree, if it drafts trees) within its budget."""
+        budget = min(num_spec_tokens, self.fallback_num_spec_tokens)
+        fallback = getattr(self.fallback, "max_drafts", None)
+        return max(num_spec_tokens, fallback(budget) if fallback is not None else budget)
 
     def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
         self.fallback.move_positions(request_id, src, dst)   # NOTE: only the fallback drafts trees

@@ -7,6 +7,12 @@ since the last draft and the last token), which predicts the feature at the last
 first draft token; then k-1 single-token forwards feed each predicted feature back. The draft's KV of
 positions with real inputs stays valid (DraftKV keeps the prefix whose tokens still match); the chain's
 positions are recomputed next time.
+
+With `tree_width` W > 1 (greedy batches) it drafts a tree instead, EAGLE-2's way at its simplest: each depth is
+the greedy chain's next token (as long as the confidence gate lets the chain go on) and the most probable others
+(by path probability: the product of the head's probabilities along the path, at least `tree_min_prob`) among the
+top-W children of every node of the depth before, W nodes at most; each depth is one head forward over the whole
+tree so far (every node seeing its ancestors only: SeqSlice.tree). W = 1, or tree_min_prob = 1, is the chain.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
 from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
+from lab.spec.tree import ROOT, DraftTree
 
 
 class EagleProposer(FeatureProposer):
@@ -39,19 +46,73 @@ class EagleProposer(FeatureProposer):
         super().free(request_id)
         self.kv.free(request_id)
 
+    def max_drafts(self, num_spec_tokens: int) -> int:
+        return num_spec_tokens * self.tree_width   # NOTE: a beam: up to W nodes a depth
+
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "spec/draft_skipped_requests": self.kv.num_skipped}
 
-    def _forward(self, seqs: list[SeqSlice], token_ids: list[int], prev_features: torch.Tensor) -> torch.Tensor:
+    def _forward(self, seqs: list[SeqSlice], token_ids: list[int], prev_features: torch.Tensor,
+                 every_row: bool = False) -> torch.Tensor:
         """One flat batch: tokens (N,) with the features before them (N, H) -> predicted features at each
-        slice's last position (R, H)."""
+        slice's last position (R, H), or with `every_row` at every token (N, H)."""
         self.kv.cache.begin_step(seqs)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[None]            # (1, N)
         positions = self.kv.cache.index.positions[None]                                       # (1, N)
         hidden = self.drafter(self.target.embed_tokens(ids), prev_features[None], positions, self.kv.cache)
-        last_rows = torch.tensor([s.num_query_tokens for s in seqs], device=self.device).cumsum(0) - 1
         self.num_forwards += 1
+        if every_row:
+            return hidden[0]                                                                  # (N, H)
+        last_rows = torch.tensor([s.num_query_tokens for s in seqs], device=self.device).cumsum(0) - 1
         return hidden[0, last_rows]                                                           # (R, H)
+
+    def _draft_trees(self, seqs: list[SeqSlice], features: torch.Tensor, depth: int) -> list[DraftTree]:
+        """Each request's tree (see the module's docstring): seqs, the catch-up's slices; features (R, H), the
+        predicted features at each request's last token (its first drafted position's)."""
+        width, trees = self.tree_width, [DraftTree() for _ in seqs]
+        chains: list[list[float]] = [[] for _ in seqs]   # the head's confidence along each greedy chain (the gate's)
+        predicted: dict[int, torch.Tensor] = {}           # request row -> its nodes' predicted features (T, H)
+        tokens, probs = self.candidates(self.head_scores(features), width)                    # (R, W) each
+        self._grow(trees, chains, list(range(len(seqs))), [[ROOT] for _ in seqs], tokens.tolist(), probs.tolist())
+        for _ in range(1, depth):
+            live = [r for r, tree in enumerate(trees) if tree.frontier]
+            if not live:
+                break
+            # NOTE: the whole tree so far in one forward per depth (its nodes' keys are recomputed, identically):
+            # each node reads its parent's predicted feature (from the forward before), a first token the request's.
+            step, ids, prev = [], [], []
+            for r in live:
+                tree, seq = trees[r], seqs[r]
+                step.append(SeqSlice(seq.block_table, seq.num_context_tokens + seq.num_query_tokens,
+                                     len(tree.token_ids), tuple(tree.parents[1:])))
+                ids.extend(tree.token_ids)
+                prev.append(torch.stack([features[r] if parent == ROOT else predicted[r][parent]
+                                         for parent in tree.parents]))
+            hidden = self._forward(step, ids, torch.cat(prev), every_row=True)                  # (N, H)
+            rows, offset = [], 0
+            for r in live:
+                predicted[r] = hidden[offset:offset + len(trees[r].token_ids)]                  # (T_r, H)
+                rows.extend(offset + node for node in trees[r].frontier)
+                offset += len(trees[r].token_ids)
+            tokens, probs = self.candidates(self.head_scores(hidden[rows]), width)             # (F, W) each
+            self._grow(trees, chains, live, [trees[r].frontier for r in live], tokens.tolist(), probs.tolist())
+        return trees
+
+    def _grow(self, trees: list[DraftTree], chains: list[list[float]], live: list[int], parents: list[list[int]],
+              tokens: list[list[int]], probs: list[list[float]]) -> None:
+        """Add a level to each live request's tree: `parents[i]` its nodes expanded (ROOT: the first position),
+        `tokens`/`probs` their top-W children and the head's probabilities of them, one row per parent, in order."""
+        row = 0
+        for r, nodes in zip(live, parents):
+            tree, chain, candidates = trees[r], None, []
+            for node in nodes:
+                base = 1.0 if node == ROOT else tree.path_probs[node]
+                candidates.extend((node, token, base * prob) for token, prob in zip(tokens[row], probs[row]))
+                if node == tree.chain_tip and self.gate.length(chains[r] + [probs[row][0]]) > len(chains[r]):
+                    chain = (node, tokens[row][0], base * probs[row][0])
+                    chains[r].append(probs[row][0])
+                row += 1
+            tree.grow(candidates, self.tree_width, self.tree_min_prob, chain)
 
     def output_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """EAGLE's features are post-norm: the target's head reads the predicted feature directly."""
@@ -75,7 +136,8 @@ class EagleProposer(FeatureProposer):
             if not self.ready(request):
                 continue
             context = request.all_token_ids
-            seq = self.kv.catch_up(request.request_id, context, num_spec_tokens - 1)
+            # NOTE: room for the drafts fed back: a chain's k - 1, a tree's nodes down to depth k - 1
+            seq = self.kv.catch_up(request.request_id, context, (num_spec_tokens - 1) * self.tree_width)
             if seq is None:
                 continue
             active.append((request, generator))
@@ -86,7 +148,15 @@ class EagleProposer(FeatureProposer):
             return {}
         params, gens = [r.sampling_params for r, _ in active], [g for _, g in active]
         features = self._forward(seqs, token_ids, torch.cat(prev))                             # (R, H)
-        drafted, probs, confidence, best_first = self.pick(features, params, gens, tree_rows=True)
+        if self.tree_width > 1 and all(p.is_greedy for p in params):
+            trees = self._draft_trees(seqs, features, num_spec_tokens)
+            out = {}
+            for (request, _), tree in zip(active, trees):
+                self.kv.commit(request.request_id, request.all_token_ids)
+                token_ids, parents = tree.depth_first()
+                out[request.request_id] = Draft(token_ids, None, parents)
+            return out
+        drafted, probs, confidence, _ = self.pick(features, params, gens)
         tokens, dists, confidences = [[t] for t in drafted], [[q] for q in probs], [[c] for c in confidence]
         live = [row for row in range(len(active)) if self.gate.may_extend(confidences[row])]
         features = features[live]                                                              # (len(live), H)
@@ -109,8 +179,9 @@ class EagleProposer(FeatureProposer):
             self.kv.commit(request.request_id, request.all_token_ids)
             length = self.gate.length(confidences[row])
             if length:
-                out[request.request_id] = self.draft(request, tokens[row][:length], dists[row][:length],
-                                                     best_first[row])
+                row_dists = dists[row][:length]
+                out[request.request_id] = Draft(tokens[row][:length],
+                                                None if row_dists[0] is None else torch.stack(row_dists))
         return out
 
 

@@ -143,7 +143,6 @@ class FeatureProposer:
                            "e.g. 0.3: a runner-up joins the tree only where the drafter gives it >= 30 %")
         self.tree_width = tree_width   # candidates for the first drafted position (greedy requests; lab/spec/tree.py)
         self.tree_min_prob = tree_min_prob   # ... each kept only where the drafter's probability of it is >= this
-        self.num_runners_up = tree_width - 1   # the most tokens a tree adds to a chain
         self.gate = gate or ConfidenceGate()
         self.target = target.model
         self.drafter = drafter
@@ -245,6 +244,10 @@ class FeatureProposer:
         logits = head.new_full((*head.shape[:-1], self.vocab_size), float("-inf"))
         logits[..., :head.shape[-1]] = head
         return logits
+
+    def max_drafts(self, num_spec_tokens: int) -> int:
+        """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up."""
+        return num_spec_tokens + self.tree_width - 1
 
     def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
         self.store.move(request_id, src, dst)

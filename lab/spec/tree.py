@@ -63,6 +63,51 @@ def limit_depth(token_ids: list[int], parents: list[int], max_depth: int) -> tup
     return tokens, new_parents
 
 
+class DraftTree:
+    """A tree while a drafter grows it depth by depth (EAGLE's beam): nodes in the order drafted (parents first),
+    each with its path probability (the drafter's probabilities multiplied along the path). The drafter's greedy
+    chain (the best child of the chain's tip, depth after depth) is always part of it while it lasts; the other
+    nodes of a level are the most probable of the rest."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.parents: list[int] = []
+        self.path_probs: list[float] = []
+        self.frontier: list[int] = []         # the nodes of the deepest level, expanded next
+        self.chain_tip: int | None = ROOT     # the greedy chain's last node (ROOT: none yet); None: it stopped
+
+    def grow(self, candidates: list[tuple[int, int, float]], width: int, min_prob: float,
+             chain: tuple[int, int, float] | None) -> None:
+        """candidates (parent, token, path probability) -> the next level: `chain` (the chain's next node, or None:
+        the chain stops), then the most probable other candidates, up to `width` nodes, none below `min_prob`."""
+        others = sorted((c for c in candidates if c != chain and c[2] >= min_prob), key=lambda c: -c[2])
+        level = ([chain] if chain is not None else []) + others
+        self.frontier = []
+        for parent, token, prob in level[:width]:
+            self.frontier.append(len(self.token_ids))
+            self.token_ids.append(token)
+            self.parents.append(parent)
+            self.path_probs.append(prob)
+        self.chain_tip = self.frontier[0] if chain is not None else None
+
+    def depth_first(self) -> tuple[list[int], list[int]]:
+        """(token_ids, parents) in depth-first order, the more probable child first, so the likeliest path is the
+        leading chain (whose acceptance needs no move of keys)."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        tokens: list[int] = []
+        parents: list[int] = []
+        stack = [(node, ROOT) for node in sorted(children.get(ROOT, []), key=lambda n: self.path_probs[n])]
+        while stack:
+            node, parent = stack.pop()
+            index = len(tokens)
+            tokens.append(self.token_ids[node])
+            parents.append(parent)
+            stack.extend((child, index) for child in sorted(children.get(node, []), key=lambda n: self.path_probs[n]))
+        return tokens, parents
+
+
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
     """target_ids (1 + n): the target's greedy token at the root's row, then at each node's row -> (the accepted
     nodes from the root down, the target's token after the last of them)."""
