@@ -1,13 +1,17 @@
-"""A tree of drafts (`engine.proposer.tree_width`): several candidates for the first drafted position, verified
-in one target forward (EAGLE-2's and Medusa's tree attention, at its simplest useful shape).
+"""Trees of drafts (`engine.proposer.tree_width`): several candidates verified in one target forward (EAGLE-2's
+and Medusa's tree attention).
 
-A draft tree is its tokens in depth-first order with the parent of each (`parents[i]`, an earlier index, or -1:
-the request's last token, the root). The drafter's chain comes first, so a chain is the tree whose parents are
--1, 0, 1, ...; the other candidates for the first position follow as children of the root:
+A draft tree is its tokens with the parent of each (`parents[i]`, an earlier index, or -1: the request's last
+token, the root), in depth-first order with the likeliest child first, so the drafter's greedy chain leads and a
+chain is the tree whose parents are -1, 0, 1, ... Two shapes are drafted:
 
-    root ── c1 ── c1's next ── ...        (the chain: tokens 0 .. L-1)
-       ├── c2                             (tokens L, L+1, ...: the drafter's runners-up at the first position)
-       └── c3
+    DFlash (`with_siblings`)                 EAGLE (`DraftTree`, a beam of W nodes a depth)
+    root ── c1 ── d2 ── d3                   root ── c1 ── d2 ── d3
+       ├── c2                                   │     └── e2
+       └── c3                                   └── c2 ── f2
+
+DFlash drafts every offset of its block at once from the context, so its runners-up are the first position's
+alone; EAGLE runs its head again on every node it keeps, so its beam goes on under the runners-up too.
 
 The verify step feeds the root and every node; each node takes its depth as position and sees only the context,
 its ancestors and itself (SeqSlice.tree, the attention backends' hidden keys). Greedy verification walks from the
@@ -16,9 +20,9 @@ its row. The accepted path's keys and values (and features) are then moved to wh
 
 Only greedy requests draft trees: lossless rejection sampling over several candidates (SpecInfer's) is not built,
 so a sampling request's draft stays a chain. Where extra verify rows are nearly free (a GPU at batch 1), the
-runners-up buy acceptance for little; on one CPU core each row costs (docs/speculative.md, session 22).
+other candidates buy acceptance for little; on one CPU core each row costs (docs/speculative.md, session 22).
 
-Owns: the tree's shape: building it, cutting it, walking it.
+Owns: the trees' shapes: building, growing, cutting and walking them.
 """
 
 from __future__ import annotations
