@@ -21,6 +21,7 @@ from lab.engines.base import Engine
 from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
+from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
@@ -30,6 +31,7 @@ from lab.spec.proposer import Draft, ProposerConfig
 from lab.spec.schedule import SpecSchedule
 
 SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
+MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts fit the attention's hidden-key bits
 
 
 class SpeculativeEngine(ContinuousBatchingEngine):
@@ -60,11 +62,15 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
+        tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
+        max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
+        if max_drafts > MAX_TREE_DRAFTS:
+            raise LabError(f"a draft of up to {max_drafts} tokens (num_spec_tokens={num_spec_tokens} and the "
+                           f"proposer's tree_width) is more than a verify step's tree holds ({MAX_TREE_DRAFTS})",
+                           "lower engine.proposer.tree_width or engine.num_spec_tokens")
         if self.decode_graphs is not None and num_spec_tokens:
             # NOTE: verify steps (1 + up to k drafts per request, more for a tree) replay graphs too, which also
             # return the features a feature-reading drafter observes.
-            tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
-            max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
             self.decode_graphs.configure(1 + max_drafts, tuple(self.proposer.feature_layers))
             if hasattr(self.proposer, "use_graphs"):   # NOTE: the drafter's forward too (DFlash)
                 self.proposer.use_graphs(self.decode_graphs.mode, self.decode_graphs.capture_sizes,

@@ -15,14 +15,15 @@ if TYPE_CHECKING:
     from lab.kv_cache.block_kv import StepIndex
 
 NO_HIDDEN = torch.empty(0, dtype=torch.long)   # the kernels' "every token sees every key before it"
+MAX_TREE_TOKENS = 63   # a step's tree: the hidden-key bits of an int64 (the sign bit unused)
 
 
 def tree_layout(parents: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """A step's tree of T query tokens (`SeqSlice.tree`: the parent of tokens 1..T-1; -1: a token that hangs on
     the context itself, as token 0 does: a drafter's first-position candidates) -> (each token's depth, each
     token's hidden-key bits: bit b = it does not see token j - b, the keys before the step all seen)."""
-    if len(parents) >= 63:
-        raise ValueError(f"a tree of {len(parents) + 1} tokens: at most 63 fit the hidden-key bits")
+    if len(parents) >= MAX_TREE_TOKENS:
+        raise ValueError(f"a tree of {len(parents) + 1} tokens: at most {MAX_TREE_TOKENS} fit the hidden-key bits")
     depth, ancestors = [0], [1]                    # ancestors[j]: bit i = token i is j or one of j's ancestors
     for j, parent in enumerate(parents, start=1):
         if not -1 <= parent < j:

@@ -28,6 +28,7 @@ from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
+from lab.spec.tree import with_siblings
 
 
 class _ContextKV:
@@ -144,6 +145,16 @@ class DFlashProposer(FeatureProposer):
                                                     tree_rows=self.tree_width > 1)
         return tokens, probs, confidence, best[::k]
 
+    def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
+               best_first: list[int]) -> Draft:
+        """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
+        tokens (`best_first`, from `pick(..., tree_rows=True)`) offer runners-up and the request is greedy."""
+        if len(best_first) > 1 and request.sampling_params.is_greedy:
+            token_ids, parents = with_siblings(tokens, best_first)
+            if len(token_ids) > len(tokens):
+                return Draft(token_ids, None, parents)
+        return Draft(tokens, None if probs[0] is None else torch.stack(probs))
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
@@ -173,7 +184,7 @@ class DFlashProposer(FeatureProposer):
             # NOTE: the whole block is drafted at once; only its confident head goes to verification.
             length = self.gate.length(confidence[span]) if self.gate.active else k
             if length:
-                out[request.request_id] = self.draft(request, tokens[span][:length], probs[span][:length],
+                out[request.request_id] = self._draft(request, tokens[span][:length], probs[span][:length],
                                                      best[row])
         return out
 

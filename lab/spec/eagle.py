@@ -191,8 +191,8 @@ class EagleProposerConfig:
     draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
     the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
     confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py);
-    tree_width: verify the head's tree_width best first tokens, not only its best (a tree; 1: a chain), a runner-up
-    only where the head gives it >= tree_min_prob."""
+    tree_width: draft a beam of at most tree_width nodes a depth, not only the chain (a tree; 1: a chain), a node
+    off the chain only where its path probability is >= tree_min_prob."""
 
     checkpoint: str | None = "checkpoints/smollm2/eagle_mix.pt"
     seed: int = 0

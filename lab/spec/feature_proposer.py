@@ -37,12 +37,9 @@ from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_wei
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.spec.features import FeatureStore
-from lab.spec.proposer import Draft, pick_draft_tokens
-from lab.spec.tree import with_siblings
+from lab.spec.proposer import pick_draft_tokens
 
-# NOTE: a tree's verify step is the root, the chain and tree_width - 1 runners-up: at most the native kernel's
-# rows (MAX_KERNEL_QUERY_TOKENS) with a short chain; wider trees run through `gather`.
-MAX_TREE_WIDTH = 8
+MAX_TREE_WIDTH = 8   # NOTE: candidates a tree node may have; the engine checks the whole tree's size
 
 
 def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
@@ -224,16 +221,6 @@ class FeatureProposer:
         """head_scores (..., N) -> the greedy draft tokens (...) and, with the gate on, the drafter's largest
         probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
         return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
-
-    def draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
-              best_first: list[int]) -> Draft:
-        """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
-        tokens (`best_first`, from `pick(..., tree_rows=True)`) offer runners-up and the request is greedy."""
-        if len(best_first) > 1 and request.sampling_params.is_greedy:
-            token_ids, parents = with_siblings(tokens, best_first)
-            if len(token_ids) > len(tokens):
-                return Draft(token_ids, None, parents)
-        return Draft(tokens, None if probs[0] is None else torch.stack(probs))
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's
