@@ -92,11 +92,12 @@ class StaticDecodeView:
         bs = self.cache.block_size
         self._key_index = (self.block_tables[:, :, None] * bs + self._block_offsets).view(-1)      # (P * S,)
         visible = self.seq_lens[:, None] + self._query_offsets                                     # (P, Q)
-        # NOTE: how far each key is behind each query (0: the query's own key); a tree's hidden bits index that.
-        behind = visible[:, :, None] - 1 - self._key_positions                                     # (P, Q, S)
-        bits = self.hidden.view(self.num_rows, self.query_len)[:, :, None] >> behind.clamp(0, 62)
-        hidden = (behind > 0) & (behind < 63) & (bits & 1).bool()                                  # (P, Q, S)
-        self._mask = ((behind >= 0) & ~hidden)[:, None]                                            # (P, 1, Q, S)
+        self._mask = (self._key_positions < visible[:, :, None])[:, None]                          # (P, 1, Q, S)
+        if self.query_len > 1:   # NOTE: a verify view: a tree's hidden bits, by how far a key is behind its query
+            behind = visible[:, :, None] - 1 - self._key_positions                                 # (P, Q, S)
+            bits = self.hidden.view(self.num_rows, self.query_len)[:, :, None] >> behind.clamp(0, 62)
+            hidden = (behind > 0) & (behind < 63) & (bits & 1).bool()                              # (P, Q, S)
+            self._mask = self._mask & ~hidden[:, None]
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, P*Q, Hq, D), k/v (1, P*Q, Hkv, D) -> (1, P*Q, Hq, D)."""
