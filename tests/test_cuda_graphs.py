@@ -122,7 +122,9 @@ def _spec_proposers(tiny_source) -> dict:
             # NOTE: trees of drafts: verify steps whose mask hides each node's siblings
             "dflash_tree": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, tree_width=3,
                                                 draft_vocab_size=0),
-            "eagle_tree": EagleProposerConfig(checkpoint=None, tree_width=2, draft_vocab_size=0)}
+            "eagle_tree": EagleProposerConfig(checkpoint=None, tree_width=2, draft_vocab_size=0),
+            "dflash_tails": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, tree_width=2,
+                                                 tree_tails=True, draft_vocab_size=0)}
 
 
 def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: int) -> SpeculativeEngine:
@@ -134,7 +136,7 @@ def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: in
 
 @pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
                                                    ("ngram", 4), ("eagle", 1), ("dflash", 4), ("dflash_tree", 4),
-                                                   ("eagle_tree", 2)])
+                                                   ("eagle_tree", 2), ("dflash_tails", 1)])
 def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: int, tiny_source,
                                                  tiny_runner: ModelRunner) -> None:
     prompts = [p * 2 for p in random_prompts(6, tiny_runner.vocab_size, seed=5, max_len=12)]   # repeats: n-gram drafts
@@ -158,7 +160,7 @@ def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: in
         assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
     if proposer == "dflash_tree":   # NOTE: 1 + 3 drafts + 2 runners-up
         assert engine.decode_graphs.max_query_len == 6 and max(query_lens) > 4, query_lens
-    if proposer == "eagle_tree":    # NOTE: 1 + a beam of 3 depths x 2 nodes
+    if proposer in ("eagle_tree", "dflash_tails"):    # NOTE: 1 + 3 depths x 2 nodes
         assert engine.decode_graphs.max_query_len == 7 and max(query_lens) > 4, query_lens
     assert engine.kv_manager.num_held_blocks == 0
 

@@ -244,6 +244,27 @@ def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: d
         assert tau[3] > tau[1], tau
 
 
+def test_dflash_tree_tails_follow_every_runner_up_and_stay_lossless(trained: dict, tiny_runner: ModelRunner) -> None:
+    """tree_tails: DFlash's later drafts hang under each runner-up too (tree_width x k drafts)."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    config = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), tree_width=2, tree_tails=True)
+    engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    drafts = []
+    propose = engine.proposer.propose
+
+    def recording_propose(*args):
+        out = propose(*args)
+        drafts.extend(out.values())
+        return out
+
+    engine.proposer.propose = recording_propose
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    assert any(p > 0 and d.parents[p] == ROOT for d in drafts if d.parents for p in d.parents)
+    assert max(len(d.token_ids) for d in drafts) == 6 and engine.stats()["spec/tree_off_chain_accepts"] > 0
+
+
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 def test_drafters_catch_up_after_steps_the_batch_size_left_undrafted(trained: dict, kind: str,
                                                                     tiny_runner: ModelRunner) -> None:

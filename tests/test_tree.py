@@ -35,6 +35,8 @@ def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
     assert tokens == [7, 8, 9, 4, 5] and parents == [ROOT, 0, 1, ROOT, ROOT]
     assert depths(parents) == [1, 2, 3, 1, 1] and depths(chain_parents(3)) == [1, 2, 3]
     assert with_siblings([], [3, 4]) == ([], [])
+    # DFlash's tails: the chain's later tokens under every runner-up too
+    assert with_siblings([7, 8, 9], [4], tails=True) == ([7, 8, 9, 4, 8, 9], [ROOT, 0, 1, ROOT, 3, 4])
     assert limit_depth(tokens, parents, 1) == ([7, 4, 5], [ROOT, ROOT, ROOT])
     assert limit_depth(tokens, parents, 2) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
     draft = Draft([7, 8, 9, 4], None, [ROOT, 0, 1, ROOT])

@@ -56,9 +56,11 @@ class _ContextKV:
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
-                 lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
+                 lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
+                 tree_tails: bool = False) -> None:
         super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
         self.block_size = drafter.block_size
+        self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
         self.graphs: DFlashBlockGraphs | None = None   # use_graphs: greedy blocks in (CUDA) graphs
@@ -107,6 +109,12 @@ class DFlashProposer(FeatureProposer):
             sees[row, :, :, :context.length] = True
         return [(layer[0], layer[1]) for layer in padded], sees
 
+    def max_drafts(self, num_spec_tokens: int) -> int:
+        """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up (each with
+        the chain's later drafts, with tree_tails)."""
+        k = min(num_spec_tokens, self.block_size - 1)
+        return k * self.tree_width if self.tree_tails else k + self.tree_width - 1
+
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **(self.graphs.stats() if self.graphs is not None else {})}
 
@@ -150,7 +158,7 @@ class DFlashProposer(FeatureProposer):
         """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
         tokens (`best_first`, from `pick(..., tree_rows=True)`) offer runners-up and the request is greedy."""
         if len(best_first) > 1 and request.sampling_params.is_greedy:
-            token_ids, parents = with_siblings(tokens, best_first)
+            token_ids, parents = with_siblings(tokens, best_first, self.tree_tails)
             if len(token_ids) > len(tokens):
                 return Draft(token_ids, None, parents)
         return Draft(tokens, None if probs[0] is None else torch.stack(probs))
@@ -198,7 +206,8 @@ class DFlashProposerConfig:
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
     tree_width: verify the block's tree_width best first tokens, not only its best (a tree; 1: a chain), a runner-up
-    only where the drafter gives it >= tree_min_prob."""
+    only where the drafter gives it >= tree_min_prob; tree_tails: each runner-up followed by the block's later
+    drafts too (they are drafted from the context alone, so they may follow any first token)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
     seed: int = 0
@@ -210,6 +219,7 @@ class DFlashProposerConfig:
     lookahead_masks: int | None = None
     tree_width: int = 1
     tree_min_prob: float = 0.0
+    tree_tails: bool = False
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -230,4 +240,4 @@ class DFlashProposerConfig:
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
-                              self.tree_width, self.tree_min_prob)
+                              self.tree_width, self.tree_min_prob, self.tree_tails)

@@ -47,7 +47,8 @@ class EagleProposer(FeatureProposer):
         self.kv.free(request_id)
 
     def max_drafts(self, num_spec_tokens: int) -> int:
-        return num_spec_tokens * self.tree_width   # NOTE: a beam: up to W nodes a depth
+        """The most tokens a draft of `num_spec_tokens` positions holds: a beam of up to W nodes a depth."""
+        return num_spec_tokens * self.tree_width
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "spec/draft_skipped_requests": self.kv.num_skipped}

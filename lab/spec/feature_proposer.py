@@ -232,10 +232,6 @@ class FeatureProposer:
         logits[..., :head.shape[-1]] = head
         return logits
 
-    def max_drafts(self, num_spec_tokens: int) -> int:
-        """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up."""
-        return num_spec_tokens + self.tree_width - 1
-
     def move_positions(self, request_id: str, src: list[int], dst: list[int]) -> None:
         self.store.move(request_id, src, dst)
 

@@ -35,14 +35,20 @@ def chain_parents(length: int) -> list[int]:
     return list(range(-1, length - 1))
 
 
-def with_siblings(chain: list[int], siblings: list[int]) -> tuple[list[int], list[int]]:
+def with_siblings(chain: list[int], siblings: list[int], tails: bool = False) -> tuple[list[int], list[int]]:
     """The chain (its first token being the drafter's best candidate) plus `siblings`, other candidates for the
-    first position -> (token_ids, parents) in depth-first order. Siblings equal to the chain's first token are
-    dropped."""
+    first position, each followed by the chain's later tokens with `tails` -> (token_ids, parents) in depth-first
+    order. Siblings equal to the chain's first token are dropped."""
     siblings = [t for t in dict.fromkeys(siblings) if not chain or t != chain[0]]
     if not chain:
         return [], []
-    return list(chain) + siblings, chain_parents(len(chain)) + [ROOT] * len(siblings)
+    tokens, parents = list(chain), chain_parents(len(chain))
+    tail = chain[1:] if tails else []
+    for sibling in siblings:
+        start = len(tokens)
+        tokens += [sibling] + tail
+        parents += [ROOT] + list(range(start, start + len(tail)))
+    return tokens, parents
 
 
 def depths(parents: list[int]) -> list[int]:
