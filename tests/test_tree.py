@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from lab.engines.ar import AREngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
-from lab.kv_cache import PagedKVCacheConfig
+from lab.kv_cache import PagedKVCacheConfig, SlotKVCacheConfig
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
 from lab.kv_cache.tree_mask import tree_layout
 from lab.kv_cache.native_attention import NativeMeta, load_kernel
@@ -40,10 +40,12 @@ def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
     assert limit_depth(tokens, parents, 1) == ([7, 4, 5], [ROOT, ROOT, ROOT])
     assert limit_depth(tokens, parents, 2) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
     draft = Draft([7, 8, 9, 4], None, [ROOT, 0, 1, ROOT])
-    draft.limit_depth(2)
+    draft.fit(2, 10)
     assert draft.token_ids == [7, 8, 4] and draft.parents == [ROOT, 0, ROOT]
+    draft.fit(2, 2)   # NOTE: 2 tokens of room: no more nodes than that, whatever their depth
+    assert draft.token_ids == [7, 8] and draft.parents == [ROOT, 0]
     chain = Draft([1, 2, 3])
-    chain.limit_depth(2)
+    chain.fit(2, 10)
     assert chain.token_ids == [1, 2] and chain.parents is None
     with pytest.raises(ValueError, match="parents must come before"):
         depths([ROOT, 1])
@@ -178,6 +180,18 @@ def test_a_tree_accepted_off_the_chain_moves_its_keys_where_a_chain_would_have_t
     stats = engine.stats()
     assert stats["spec/tree_off_chain_accepts"] == len(moved) > 0, stats
     assert all(s != d for src, dst in moved for s, d in zip(src, dst))
+
+
+def test_trees_never_need_more_kv_than_the_request_itself(tiny_runner: ModelRunner) -> None:
+    """Slots of exactly prompt + max_tokens - 1 tokens: near its end a request's tree is cut to the tokens it has room
+    for (a depth-first prefix, the chain first), so the last steps still fit and the output is `ar`'s."""
+    prompt, max_tokens = [5, 9, 17, 33, 2, 8, 40, 41], 20
+    expected = AREngine(tiny_runner).run(make_requests([prompt], max_tokens, ignore_eos=True)).requests[0]
+    kv = SlotKVCacheConfig(max_len=len(prompt) + max_tokens - 1, num_slots=1)
+    engine = SpeculativeEngine(tiny_runner, EagleProposerConfig(checkpoint=None, tree_width=4, draft_vocab_size=0),
+                               num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=1), kv_cache=kv)
+    served = engine.run(make_requests([prompt], max_tokens, ignore_eos=True)).requests[0]
+    assert served.output_token_ids == expected.output_token_ids and engine.stats()["sched/num_preemptions"] == 0
 
 
 def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runner: ModelRunner) -> None:

@@ -184,21 +184,21 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             # the batch shrinks; the skipped tokens are caught up like a cascade's fallback's.
             self.num_steps_not_drafted += bool(self.scheduler.running)
             return
-        ready, budgets = [], []
+        ready, rooms = [], []
         for request in self.scheduler.running:
             # NOTE: only requests past prefill draft; never past max_tokens (those drafts could not be kept).
             room = request.sampling_params.max_tokens - request.num_output_tokens - 1
             if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
                 ready.append(request)
-                budgets.append(min(num_spec_tokens, room))
+                rooms.append(room)
         if not ready:
             return
         with self.phases.phase("draft", num_tokens=len(ready) * num_spec_tokens):
             drafts = self.proposer.propose(ready, num_spec_tokens, [self.generator_for(r) for r in ready])
-        for request, budget in zip(ready, budgets):
+        for request, room in zip(ready, rooms):
             draft = drafts.get(request.request_id)
             if draft is not None and draft.token_ids:
-                draft.limit_depth(budget)
+                draft.fit(min(num_spec_tokens, room), room)
                 request.spec_token_ids = list(draft.token_ids)
                 request.spec_parents = None if draft.parents is None else list(draft.parents)
                 self._drafts[request.request_id] = draft

@@ -23,13 +23,15 @@ class Draft:
     probs: torch.Tensor | None = None   # (len(token_ids), V) q distributions; None = deterministic (one-hot)
     parents: list[int] | None = None    # a tree of drafts (greedy only): each token's parent; None: a chain
 
-    def limit_depth(self, max_depth: int) -> None:
-        """Keep what a request with room for `max_depth` more tokens can use: a chain's first tokens, a tree's
-        nodes at most that deep."""
+    def fit(self, max_depth: int, max_tokens: int) -> None:
+        """Keep what a step may verify for a request with room for `max_tokens` more tokens: a chain's first
+        `max_depth`; a tree's nodes at most `max_depth` deep, and its first `max_tokens` of them (a depth-first
+        prefix, the chain first), so its keys never need more slots than the request's last token will."""
         if self.parents is None:
             self.token_ids = self.token_ids[:max_depth]
         else:
-            self.token_ids, self.parents = limit_depth(self.token_ids, self.parents, max_depth)
+            token_ids, parents = limit_depth(self.token_ids, self.parents, max_depth)
+            self.token_ids, self.parents = token_ids[:max_tokens], parents[:max_tokens]
 
 
 class Proposer(Protocol):
