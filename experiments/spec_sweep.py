@@ -29,7 +29,8 @@ from plots import save_figure  # noqa: E402
 from sweep_jobs import finished_jobs  # noqa: E402
 
 PROPOSERS = {"NgramProposerConfig": "ngram", "SuffixProposerConfig": "suffix",
-             "LayerSkipProposerConfig": "layerskip", "DraftModelProposerConfig": "draft_model"}
+             "LayerSkipProposerConfig": "layerskip", "DraftModelProposerConfig": "draft_model",
+             "EagleProposerConfig": "eagle", "DFlashProposerConfig": "dflash"}
 COLUMNS = {"workload": "dataset", "proposer": "proposer", "k": "k", "concurrency": "conc.", "runs": "runs",
            "acceptance_rate": "accept %", "acceptance_length": "tau", "tokens_per_request_step": "tok/req/step",
            "baseline_tpot_ms": "TPOT k=0 (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",
@@ -39,9 +40,16 @@ KEY = ("workload", "proposer", "k", "concurrency")
 
 
 def proposer_name(engine: dict[str, Any]) -> str:
+    """The proposer, with what tells its variants apart: layerskip[<layers>], eagle/dflash[tree <W>] (a tree of
+    drafts, conf/experiment/tree_sweep.yaml; `+tails`: DFlash's later drafts under every runner-up)."""
     proposer = engine.get("proposer", {})
     name = PROPOSERS.get(str(proposer.get("_target_", "")).rsplit(".", 1)[-1], "?")
-    return f"layerskip[{proposer['num_layers']}]" if name == "layerskip" else name
+    if name == "layerskip":
+        return f"layerskip[{proposer['num_layers']}]"
+    width = int(proposer.get("tree_width", 1))
+    if width > 1:
+        return f"{name}[tree {width}{'+tails' if proposer.get('tree_tails') else ''}]"
+    return name
 
 
 def job_row(results: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import compose_cfg
 from tests.helpers import load_experiment
 
 
@@ -88,3 +89,26 @@ def test_main_writes_three_pngs_and_a_table(spec_sweep: ModuleType, tmp_path: Pa
     table = [line for line in printed.splitlines() if line.startswith("| mtbench") or line.startswith("| gsm8k")]
     assert len(table) == 24, printed
     assert "skipped" in printed and "24_failed" in printed
+
+
+def test_trained_drafters_and_trees_of_drafts_are_told_apart(spec_sweep: ModuleType) -> None:
+    """conf/experiment/tree_sweep.yaml's jobs: the proposer's name carries its tree (tree_width > 1)."""
+    def engine(target: str, **proposer: object) -> dict:
+        return {"proposer": {"_target_": f"lab.spec.{target}", **proposer}}
+
+    assert spec_sweep.proposer_name(engine("eagle.EagleProposerConfig", tree_width=1)) == "eagle"
+    assert spec_sweep.proposer_name(engine("eagle.EagleProposerConfig", tree_width=3)) == "eagle[tree 3]"
+    assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", tree_width=2,
+                                           tree_tails=True)) == "dflash[tree 2+tails]"
+    assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig")) == "dflash"
+
+
+def test_the_tree_sweep_composes_batch_one_jobs_paired_over_ar(tmp_path: Path) -> None:
+    cfg = compose_cfg(["+experiment=tree_sweep"], run_dir=tmp_path)
+    params = cfg.hydra.sweeper.params
+    assert params.engine == "eagle,dflash" and params["engine.proposer.tree_width"] == "1,2,3"
+    assert cfg.engine.speedup_baseline == "ar" and cfg.workload.max_concurrency == 1
+    for name in ("eagle", "dflash"):
+        tree = compose_cfg(["+experiment=tree_sweep", f"engine={name}", "engine.proposer.tree_width=3"])
+        assert tree.engine.proposer.tree_width == 3 and tree.engine.measure_speedup
+
