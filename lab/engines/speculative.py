@@ -1,7 +1,9 @@
 """SpeculativeEngine (engine=speculative): continuous batching on the paged cache, plus a Proposer that
 drafts k tokens per running request after every step; the next step's target forward verifies them all
 (1 + k positions per request, every request in one flat batch) and the RejectionSampler keeps the output
-exactly the target's (greedy: token for token; sampling: in distribution).
+exactly the target's (greedy: token for token; sampling: in distribution). A draft may be a tree (greedy
+requests, lab/spec/tree.py): its nodes are verified in the same forward, each seeing its ancestors only, and the
+accepted path's keys and features are moved to where a chain's would be.
 
 Overrides one hook of ContinuousBatchingEngine (`select_tokens`: verify instead of sample) and appends a
 draft phase to `step`. `num_spec_tokens=0` is the plain engine. How many tokens a step drafts can follow the
