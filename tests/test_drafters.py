@@ -204,6 +204,20 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
     assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
 
 
+def _record_drafts(engine: SpeculativeEngine) -> list:
+    """Every Draft the engine's proposer returns from now on, in order (the list fills as the engine runs)."""
+    drafts: list = []
+    propose = engine.proposer.propose
+
+    def recording_propose(*args):
+        out = propose(*args)
+        drafts.extend(out.values())
+        return out
+
+    engine.proposer.propose = recording_propose
+    return drafts
+
+
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 @pytest.mark.parametrize("max_num_seqs,token_budget", [(1, 32), (4, 32), (4, 7)])
 def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: dict, kind: str, max_num_seqs: int,
@@ -222,15 +236,7 @@ def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: d
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                              max_num_batched_tokens=token_budget))
-        drafts[width] = []
-        propose = engine.proposer.propose
-
-        def recording_propose(*args, _propose=propose, _drafts=drafts[width]):
-            out = _propose(*args)
-            _drafts.extend(out.values())
-            return out
-
-        engine.proposer.propose = recording_propose
+        drafts[width] = _record_drafts(engine)
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
         stats[width] = engine.stats()
         assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
@@ -251,15 +257,7 @@ def test_dflash_tree_tails_follow_every_runner_up_and_stay_lossless(trained: dic
     config = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), tree_width=2, tree_tails=True)
     engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
-    drafts = []
-    propose = engine.proposer.propose
-
-    def recording_propose(*args):
-        out = propose(*args)
-        drafts.extend(out.values())
-        return out
-
-    engine.proposer.propose = recording_propose
+    drafts = _record_drafts(engine)
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
     assert any(p > 0 and d.parents[p] == ROOT for d in drafts if d.parents for p in d.parents)
     assert max(len(d.token_ids) for d in drafts) == 6 and engine.stats()["spec/tree_off_chain_accepts"] > 0

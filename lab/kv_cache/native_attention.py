@@ -41,16 +41,6 @@ def load_kernel() -> Any | None:
 MAX_KERNEL_QUERY_TOKENS = 8
 
 
-def _num_short(index: StepIndex) -> int:
-    """The leading requests of the step that feed at most MAX_KERNEL_QUERY_TOKENS tokens (the kernel's rows)."""
-    num_short = 0
-    for seq in index.seqs:
-        if seq.num_query_tokens > MAX_KERNEL_QUERY_TOKENS:
-            break
-        num_short += 1
-    return num_short
-
-
 @dataclass(slots=True)
 class NativeMeta:
     num_rows: int                  # leading flat-batch tokens the kernel attends (one row each)
@@ -71,7 +61,11 @@ class NativeAttention:
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> NativeMeta | SplitMeta:
         if not self.usable(cache):
             return self.split.prepare(cache, index)
-        num_short = _num_short(index)
+        num_short = 0
+        for seq in index.seqs:
+            if seq.num_query_tokens > MAX_KERNEL_QUERY_TOKENS:
+                break
+            num_short += 1
         if num_short == len(index.seqs):   # NOTE: a decode or verify step: no chunk, nothing to split
             chunks = SplitMeta([], [])
         else:   # NOTE: SplitAttention sees only the longer chunks; their q_start stays absolute in the flat batch.

@@ -82,9 +82,10 @@ class StaticDecodeView:
         self.seq_lens[num_seqs:].fill_(1)
         self.slot_mapping.fill_(self.scratch_slot)
         self.slot_mapping.index_copy_(0, rows, index.slot_mapping.to(rows.device))
-        self.hidden.zero_()
-        if index.hidden is not None:
-            self.hidden.index_copy_(0, rows, index.hidden.to(rows.device))
+        if self.query_len > 1:   # NOTE: only verify views carry trees (begin_forward reads `hidden` there only)
+            self.hidden.zero_()
+            if index.hidden is not None:
+                self.hidden.index_copy_(0, rows, index.hidden.to(rows.device))
         return rows
 
     def begin_forward(self) -> None:

@@ -148,15 +148,16 @@ class DFlashProposer(FeatureProposer):
         hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k)           # (S, k, H)
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
+        # NOTE: a tree's candidates are the first position's: each block's first row
         tokens, probs, confidence, best = self.pick(hidden.reshape(num_seqs * k, -1), params,
                                                     [g for g in generators for _ in range(k)],
-                                                    tree_rows=self.tree_width > 1)
-        return tokens, probs, confidence, best[::k]
+                                                    tree_rows=slice(None, None, k))
+        return tokens, probs, confidence, best or [[] for _ in active]
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
                best_first: list[int]) -> Draft:
         """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
-        tokens (`best_first`, from `pick(..., tree_rows=True)`) offer runners-up and the request is greedy."""
+        tokens (`best_first`, from `pick(..., tree_rows=...)`) offer runners-up and the request is greedy."""
         if len(best_first) > 1 and request.sampling_params.is_greedy:
             token_ids, parents = with_siblings(tokens, best_first, self.tree_tails)
             if len(token_ids) > len(tokens):

@@ -173,23 +173,27 @@ class FeatureProposer:
         return self.head_logits(self.output_norm(hidden))
 
     def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-             tree_rows: bool = False) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
+             tree_rows: slice | None = None
+             ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
         """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
         drafter's confidence: the largest probability of its distribution there, 1.0 when the gate is off; and,
-        with `tree_rows` and tree_width > 1, each greedy row's best tokens: up to tree_width, best first, those past
-        the first only with probability >= tree_min_prob (else [])."""
-        gated, width = self.gate.active, self.tree_width if tree_rows else 1
+        for each of the rows `tree_rows` selects when tree_width > 1, that row's best tokens if it is greedy: up to
+        tree_width, best first, those past the first only with probability >= tree_min_prob (else [], and no
+        entries without `tree_rows`)."""
+        gated, width = self.gate.active, self.tree_width if tree_rows is not None else 1
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
             head = self.head_scores(hidden)                                                  # (R, N)
             tokens, confidence = self.greedy_from_scores(head)
-            best = self._best(head, width) if width > 1 else [[] for _ in params]
+            best = self._best(head[tree_rows], width) if width > 1 else []
             return (tokens.tolist(), [None] * len(params),
                     confidence.tolist() if confidence is not None else [1.0] * len(params), best)
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
-        best = [self._best(row[None], width)[0] if width > 1 and p.is_greedy else []
-                for row, p in zip(logits, params)]
+        best = []
+        if width > 1:
+            best = [self._best(row[None], width)[0] if p.is_greedy else []
+                    for row, p in zip(logits[tree_rows], params[tree_rows])]
         return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params), best
 
     def _best(self, scores: torch.Tensor, width: int) -> list[list[int]]:
