@@ -32,7 +32,7 @@ from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fin
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
-from lab.training.losses import CONFIDENCE_EDGES, Batch, dflash_loss, dflash_predictions, make_batch
+from lab.training.losses import CONFIDENCE_EDGES, Batch, dflash_loss, dflash_predictions, leading_runs, make_batch
 from lab.training.recipe import evaluate
 from lab.workloads.dataset_files import DATASETS
 
@@ -52,7 +52,8 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
-                  max_new_tokens: int = 64, walk_ks: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+                  max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1
+                  ) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
     (walk_table)."""
@@ -67,7 +68,9 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
         loss_fn = lambda model, batch, generator: dflash_loss(   # noqa: E731
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
-        for k, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks)).items():
+        steps = min(denoise_steps, drafter.config.max_fill + 1)   # NOTE: a drafter never trained with fills: 1
+        for k, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
+                                             steps).items():
             results[path] |= {f"walk_tau_{k}": walked, f"every_tau_{k}": every}
     return results
 
@@ -87,8 +90,10 @@ def walk(runs: list[int], num_spec_tokens: int) -> tuple[int, int]:
 
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
-               ks: list[int]) -> dict[int, tuple[float, float]]:
-    """k -> (tau along the engine's walk, tau over every answer position), pooled over the answers."""
+               ks: list[int], denoise_steps: int = 1) -> dict[int, tuple[float, float]]:
+    """k -> (tau along the engine's walk, tau over every answer position), pooled over the answers. With
+    `denoise_steps` S the drafts are the proposer's: offset j < S drafted with offsets 1..j-1 filled in, the rest
+    with 1..S-1 (on the target's greedy text a filled draft that counts is the text's token)."""
     drafter.eval()
     drafts, accepted = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
     every: dict[int, list[float]] = {k: [] for k in ks}
@@ -97,8 +102,13 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
         anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
         if anchors.shape[1] == 0:
             continue
-        blocks = dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192)
-        runs = blocks.runs(of_text=True)[0]   # the answer is the target's greedy text: what verification keeps
+        # NOTE: the answer is the target's greedy text: agreeing with it is what verification keeps.
+        agree = torch.stack([dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192,
+                                                fills=torch.full_like(anchors, fill)).matches_text
+                             for fill in range(denoise_steps)])                             # (steps, 1, M, B-1)
+        offsets = torch.arange(agree.shape[-1])
+        drafted = agree[offsets.clamp(max=denoise_steps - 1), ..., offsets].movedim(0, -1)   # (1, M, B-1)
+        runs = leading_runs(drafted)[0]
         run_lengths = runs.long().tolist()
         for k in ks:
             walked = walk(run_lengths, k)
@@ -118,11 +128,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the answers' length")
     parser.add_argument("--walk", type=int, nargs="*", default=[], metavar="K",
                         help="replay greedy speculation verifying K drafts a step: the engine's tau")
+    parser.add_argument("--denoise-steps", type=int, default=1,
+                        help="with --walk: drafter forwards per block (engine.proposer.denoise_steps; a checkpoint "
+                             "trained with a smaller max_fill walks with max_fill + 1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
-                            tuple(args.walk))
+                            tuple(args.walk), args.denoise_steps)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"

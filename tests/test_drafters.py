@@ -36,7 +36,8 @@ from lab.spec.tree import ROOT
 from lab.training import data as training_data
 from lab.training.data import (DataConfig, Sequence, generate_responses, load_training_data, online_features,
                                reference_sequences, target_features)
-from lab.training.losses import CONFIDENCE_EDGES, BlockPredictions, dflash_loss, make_batch, on_greedy_path
+from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, make_batch,
+                                 on_greedy_path)
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from lab.workloads import DatasetWorkload
 from tests.helpers import load_experiment, make_requests, run_one_arrival_per_step
@@ -68,6 +69,13 @@ def trained(tiny_runner: ModelRunner, tmp_path_factory: pytest.TempPathFactory) 
         metrics = train_drafter(kind, tiny_runner, DataConfig(num_prompts=40), train, dict(OPTIONS[kind]), path,
                                 "test", cache, log=lambda _: None)
         out[kind] = (path, metrics)
+    # NOTE: DFlash trained on from its checkpoint with its first 0..2 offsets given as tokens (denoising steps)
+    path = cache / "dflash_fill.pt"
+    train = TrainConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=5, max_seq_len=96, val_sequences=8,
+                        log_every=1000, init_from=str(out["dflash"][0]))
+    metrics = train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), train, dict(OPTIONS["dflash"], max_fill=2),
+                            path, "test", cache, log=lambda _: None)
+    out["dflash_fill"] = (path, metrics)
     return out
 
 
@@ -860,3 +868,135 @@ def test_training_runs_where_the_target_is(kind: str, device: str, features: str
     assert bool(list(tmp_path.glob("features-*"))) == (features == "cached")
     cpu_target = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
     load_drafter(tmp_path / "d.pt", kind, cpu_target.model)
+
+
+def test_dflash_block_inputs_take_filled_offsets_as_the_first_token_is_taken(tiny_runner: ModelRunner) -> None:
+    """A filled offset's input is built as the block's first token's (input fusion of its embedding and the stream
+    before the block) plus its offset's mask embedding; unfilled offsets keep their mask inputs."""
+    config = DFlashConfig(block_size=4, mask_per_position=True, input_fusion=True, fuse_last_context=True, max_fill=2)
+    drafter = DFlashDrafter(tiny_runner.config, config)
+    hidden = tiny_runner.config.hidden_size
+    first, last = torch.randn(2, 3, hidden), torch.randn(2, 3, hidden)
+    fills = torch.randn(2, 3, 2, hidden)
+    plain = drafter.block_inputs(first, last).view(2, 3, 4, hidden)
+    filled = torch.tensor([[True, False], [True, True], [False, False]]).expand(2, 3, 2)
+    mixed = drafter.block_inputs(first, last, fill_embeds=fills, filled=filled).view(2, 3, 4, hidden)
+    every = drafter.block_inputs(first, last, fill_embeds=fills).view(2, 3, 4, hidden)
+    expected = drafter.input_fc(torch.cat((fills, last[:, :, None].expand_as(fills)), -1)) + drafter.mask_embedding[:2]
+    torch.testing.assert_close(every[:, :, 1:3], expected)
+    torch.testing.assert_close(every[:, :, [0, 3]], plain[:, :, [0, 3]])
+    torch.testing.assert_close(mixed[:, 0, 1], every[:, 0, 1])
+    torch.testing.assert_close(mixed[:, 0, 2], plain[:, 0, 2])
+    torch.testing.assert_close(mixed[:, 1], every[:, 1])
+    torch.testing.assert_close(mixed[:, 2], plain[:, 2])
+
+
+def test_dflash_trained_with_fills_records_them_and_scores_only_drafted_offsets(trained: dict,
+                                                                                tiny_runner: ModelRunner) -> None:
+    """drafter.max_fill: the checkpoint records how many offsets its drafter may be given; with fills, the filled
+    offsets are not scored and the first drafted one is measured apart (`top1_after_fill`)."""
+    path, metrics = trained["dflash_fill"]
+    drafter = load_drafter(path, "dflash", tiny_runner.model)
+    assert drafter.config.max_fill == 2 and load_drafter(trained["dflash"][0], "dflash", tiny_runner.model).config.max_fill == 0
+    assert 0.0 <= metrics["val/top1_after_fill"] <= 1.0 and metrics["train/last_loss"] < metrics["train/first_loss"]
+    sequences, features = load_training_data(tiny_runner, DataConfig(num_prompts=40, feature_layers=drafter.feature_layers),
+                                             path.parent)
+    batch = make_batch(sequences[:4], features[:4], 96)
+    anchors = torch.randint(2, 20, (4, 6), generator=torch.Generator().manual_seed(0)) + batch.prompt_lens[:, None]
+    fills = torch.tensor([0, 1, 2, 0, 1, 2]).expand(4, 6)
+    blocks = dflash_predictions(drafter, tiny_runner.model, batch, anchors, fills=fills)
+    drafted = torch.arange(3) >= fills[..., None]
+    assert not (blocks.keep & ~drafted).any() and blocks.keep[..., 2].all()
+    with pytest.raises(ValueError, match="max_fill=0"):
+        dflash_loss(drafter, tiny_runner.model, batch, num_anchors=4, per_offset=True, max_fill=1)
+    with pytest.raises(LabError, match="drafter.max_fill"):
+        train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
+                      dict(OPTIONS["dflash"], max_fill=3), path.parent / "x.pt", "test", path.parent, log=lambda _: None)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+@pytest.mark.parametrize("denoise_steps", [2, 3])
+def test_dflash_denoising_steps_are_lossless_and_draft_as_the_offline_walk(trained: dict, max_num_seqs: int,
+                                                                           denoise_steps: int,
+                                                                           tiny_runner: ModelRunner) -> None:
+    """engine.proposer.denoise_steps: the block is drafted again with its kept drafts filled in. Lossless at batch 1
+    and 4; at batch 1 its acceptance is the offline walk's with the same steps (dflash_offsets.py), so the engine
+    drafts each offset given the drafts before it, as the drafter was trained."""
+    prompts = _prompts(16, seed=3)[8:12]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    path = trained["dflash_fill"][0]
+    proposer = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None,
+                                    denoise_steps=denoise_steps)
+    engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),
+                               kv_cache=KV)
+    result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    if max_num_seqs == 1:
+        answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+        drafter = load_drafter(path, "dflash", tiny_runner.model)
+        features = target_features(tiny_runner, answers, drafter.feature_layers)
+        walked, _ = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                                 denoise_steps)[3]
+        assert walked == pytest.approx(stats["spec_decode_acceptance_length"])
+
+
+def test_dflash_denoising_steps_fill_in_the_drafts_kept_so_far(trained: dict, tiny_runner: ModelRunner) -> None:
+    """Step p of a block gets the drafts of offsets 1..p-1 kept so far as its fills and drafts offsets p..k; the
+    request's draft is each step's first draft, then the last step's rest."""
+    proposer = DFlashProposerConfig(checkpoint=str(trained["dflash_fill"][0]), denoise_steps=3)
+    engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=1),
+                               kv_cache=KV)
+    proposer = engine.proposer
+    calls: list[tuple[list[int], list[int]]] = []   # per drafter forward: (fills, the greedy drafts it gives)
+    block_hidden = proposer.block_hidden
+
+    def recording_block_hidden(*args, fill_ids=None):
+        hidden = block_hidden(*args, fill_ids=fill_ids)
+        drafted = proposer.greedy_from_scores(proposer.head_scores(hidden))[0]
+        calls.append(([] if fill_ids is None else fill_ids[0].tolist(), drafted[0].tolist()))
+        return hidden
+
+    proposer.block_hidden = recording_block_hidden
+    drafts = _record_drafts(engine)
+    engine.run(make_requests(_prompts(16, seed=3)[8:10], 16, ignore_eos=True))
+    starts = [i for i, (fills, _) in enumerate(calls) if not fills] + [len(calls)]
+    assert drafts and len(starts) - 1 == len(drafts)
+    for draft, start, end in zip(drafts, starts, starts[1:]):
+        k = len(calls[start][1])
+        assert end - start == k == 3
+        kept: list[int] = []
+        for step, (fills, drafted) in enumerate(calls[start:end]):
+            assert fills == kept and len(drafted) == k - step
+            kept += drafted[:1] if step < end - start - 1 else drafted
+        assert draft.token_ids == kept[:len(draft.token_ids)]   # NOTE: cut in place to the request's room later
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_dflash_denoising_steps_in_fixed_shape_graphs_are_the_eager_drafts(trained: dict, max_num_seqs: int,
+                                                                           tiny_runner: ModelRunner) -> None:
+    prompts = _prompts(16, seed=3)[8:14]
+    stats = {}
+    for mode in ("off", "eager"):
+        proposer = DFlashProposerConfig(checkpoint=str(trained["dflash_fill"][0]), denoise_steps=3,
+                                        min_confidence=0.2, always_draft=1)
+        engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),
+                                   kv_cache=KV, cuda_graphs=CudaGraphConfig(mode=mode, capture_sizes=(1, 2, 4)))
+        run_one_arrival_per_step(engine, make_requests(prompts, 24, ignore_eos=True))
+        stats[mode] = engine.stats()
+    assert stats["eager"]["spec/draft_graph_replays"] > 0
+    for key in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                *(f"spec_decode_per_position_acceptance_rate/{i}" for i in range(3))):
+        assert stats["eager"][key] == stats["off"][key], key
+
+
+def test_dflash_denoising_steps_need_a_drafter_trained_with_fills(trained: dict, tiny_runner: ModelRunner) -> None:
+    with pytest.raises(LabError, match="max_fill"):
+        SpeculativeEngine(tiny_runner, DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), denoise_steps=2),
+                          num_spec_tokens=2, kv_cache=KV)
+    with pytest.raises(LabError, match="denoise_steps between 1 and 3"):
+        SpeculativeEngine(tiny_runner, DFlashProposerConfig(checkpoint=str(trained["dflash_fill"][0]), denoise_steps=4),
+                          num_spec_tokens=3, kv_cache=KV)

@@ -49,6 +49,9 @@ class DFlashConfig:
     # Adding the raw embedding instead (RMS ~0.12 beside the context stream's ~1) all but hid the last token:
     # 10 % top-1 at offset 1 where EAGLE, which reads the same two inputs through its fc, gets 47 %.
     input_fusion: bool = False
+    # NOTE: trained with its first 0..max_fill drafted offsets given as tokens (`block_inputs`' fills), the rest
+    # masked: the proposer may then redraft a block's later offsets knowing its earlier drafts (`denoise_steps`).
+    max_fill: int = 0
 
     def resolved(self, num_target_layers: int) -> "DFlashConfig":
         layers = self.feature_layers or spaced_layers(num_target_layers, 5)
@@ -146,24 +149,38 @@ class DFlashDrafter(nn.Module):
         return [layer.context_kv(context, cos, sin) for layer in self.layers]
 
     def block_inputs(self, first_embeds: torch.Tensor, last_stream: torch.Tensor | None = None,
-                     block_size: int | None = None) -> torch.Tensor:
+                     block_size: int | None = None, fill_embeds: torch.Tensor | None = None,
+                     filled: torch.Tensor | None = None) -> torch.Tensor:
         """first_embeds (S, M, H): each block's first (known) token; last_stream (S, M, H): the context stream
         (`context_stream`) of the position before each block (read when `reads_last_context`); block_size: B,
-        the trained block (default) or the first B of its positions (drafting needs no more than it verifies)
-        -> inputs (S, M * B, H)."""
+        the trained block (default) or the first B of its positions (drafting needs no more than it verifies);
+        fill_embeds (S, M, F, H), F < B: embeddings of tokens for offsets 1..F, given instead of masks where
+        `filled` (S, M, F) is True (None: everywhere), each input built as the first token's is, plus its offset's
+        mask embedding -> inputs (S, M * B, H)."""
         s, m, h = first_embeds.shape
         block_size = self.block_size if block_size is None else block_size
         if not 2 <= block_size <= self.block_size:
             raise ValueError(f"a DFlash block holds 2..{self.block_size} positions, got {block_size}")
         mask = self.mask_embedding[:block_size - 1] if self.mask_embedding.dim() == 2 else self.mask_embedding
-        masks = mask.to(first_embeds.dtype).expand(s, m, block_size - 1, h)                      # (S, M, B-1, H)
+        mask = mask.to(first_embeds.dtype)                                                       # (B-1, H) or (H,)
+        masks = mask.expand(s, m, block_size - 1, h)                                             # (S, M, B-1, H)
+        known = first_embeds[:, :, None]                                                         # (S, M, 1+F, H)
+        if fill_embeds is not None:
+            known = torch.cat((known, fill_embeds), dim=2)
         if self.input_fc is not None:
-            start = self.input_fc(torch.cat((first_embeds, last_stream), dim=-1))                       # (S, M, H)
-            blocks = torch.cat((start[:, :, None], masks + start[:, :, None]), dim=2)                    # (S, M, B, H)
+            known = self.input_fc(torch.cat((known, last_stream[:, :, None].expand_as(known)), dim=-1))
+            rest = masks + known[:, :, :1]                                                       # (S, M, B-1, H)
+        elif self.config.fuse_last_context:
+            known, rest = known + last_stream[:, :, None], masks + last_stream[:, :, None]
         else:
-            blocks = torch.cat((first_embeds[:, :, None], masks), dim=2)                  # (S, M, B, H)
-            if self.config.fuse_last_context:
-                blocks = blocks + last_stream[:, :, None]
+            rest = masks
+        if fill_embeds is not None:
+            num_fills = fill_embeds.shape[2]
+            fills = known[:, :, 1:] + (mask[:num_fills] if mask.dim() == 2 else mask)             # (S, M, F, H)
+            if filled is not None:
+                fills = torch.where(filled[..., None], fills, rest[:, :, :num_fills])
+            rest = torch.cat((fills, rest[:, :, num_fills:]), dim=2)
+        blocks = torch.cat((known[:, :, :1], rest), dim=2)                                      # (S, M, B, H)
         return blocks.reshape(s, m * block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,

@@ -57,9 +57,15 @@ class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
-                 tree_tails: bool = False) -> None:
+                 tree_tails: bool = False, denoise_steps: int = 1) -> None:
         super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        if not 1 <= denoise_steps <= drafter.config.max_fill + 1:
+            raise LabError(f"engine.proposer.denoise_steps={denoise_steps}, but this drafter was trained to take at most "
+                           f"{drafter.config.max_fill} drafted offsets filled in (its max_fill)",
+                           f"set engine.proposer.denoise_steps between 1 and {drafter.config.max_fill + 1}, or train "
+                           f"a drafter with drafter.max_fill={max(1, denoise_steps - 1)}")
         self.block_size = drafter.block_size
+        self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
@@ -124,13 +130,17 @@ class DFlashProposer(FeatureProposer):
 
     def block_hidden(self, last_ids: torch.Tensor, last_stream: torch.Tensor | None, first_positions: torch.Tensor,
                      context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None, block: int,
-                     k: int) -> torch.Tensor:
+                     k: int, fill_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One drafter forward over S blocks: last_ids (S,) each block's first token, last_stream (S, 1, H) or
-        None, first_positions (S,), the context K/V and mask of `_batch_contexts` -> hidden (S, k, H) of block
-        rows 1..k. Eager drafting and DFlashBlockGraphs both run it."""
-        embeds = self.drafter.block_inputs(self.target.embed_tokens(last_ids)[:, None], last_stream, block)  # (S, B, H)
+        None, first_positions (S,), the context K/V and mask of `_batch_contexts`; fill_ids (S, F): the drafts of
+        offsets 1..F already committed (a later denoising step) -> hidden (S, k - F, H) of block rows F+1..k.
+        Eager drafting and DFlashBlockGraphs both run it."""
+        fills = None if fill_ids is None else self.target.embed_tokens(fill_ids)[:, None]          # (S, 1, F, H)
+        embeds = self.drafter.block_inputs(self.target.embed_tokens(last_ids)[:, None], last_stream, block,
+                                           fill_embeds=fills)                                      # (S, B, H)
         positions = first_positions[:, None] + torch.arange(block, device=first_positions.device)        # (S, B)
-        return self.drafter(embeds, positions, context_kv, mask, rows=slice(1, k + 1))
+        start = 1 if fill_ids is None else 1 + fill_ids.shape[1]
+        return self.drafter(embeds, positions, context_kv, mask, rows=slice(start, k + 1))
 
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
@@ -152,6 +162,21 @@ class DFlashProposer(FeatureProposer):
         tokens, probs, confidence, best = self.pick(hidden.reshape(num_seqs * k, -1), params,
                                                     [g for g in generators for _ in range(k)],
                                                     tree_rows=slice(None, None, k))
+        for committed in range(1, min(self.denoise_steps, k)):
+            # NOTE: denoising step committed + 1: offsets 1..committed keep their drafts and are given to the drafter
+            # as tokens; the offsets after them are drafted again, now knowing them. Each kept draft's q is that of
+            # the step that drew it, given the drafts before it, so sampled verification stays exact.
+            grid = torch.tensor(tokens, device=self.device).view(num_seqs, k)
+            hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k,
+                                       fill_ids=grid[:, :committed])                            # (S, k - c, H)
+            rest = k - committed
+            redrafted = self.pick(hidden.reshape(num_seqs * rest, -1),
+                                  [r.sampling_params for r in active for _ in range(rest)],
+                                  [g for g in generators for _ in range(rest)])
+            for row in range(num_seqs):
+                span, new = slice(row * k + committed, (row + 1) * k), slice(row * rest, (row + 1) * rest)
+                tokens[span], probs[span], confidence[span] = (redrafted[0][new], redrafted[1][new],
+                                                               redrafted[2][new])
         return tokens, probs, confidence, best or [[] for _ in active]
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
@@ -208,7 +233,10 @@ class DFlashProposerConfig:
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
     tree_width: verify the block's tree_width best first tokens, not only its best (a tree; 1: a chain), a runner-up
     only where the drafter gives it >= tree_min_prob; tree_tails: each runner-up followed by the block's later
-    drafts too (they are drafted from the context alone, so they may follow any first token)."""
+    drafts too (they are drafted from the context alone, so they may follow any first token); denoise_steps: drafter
+    forwards per block (1: one, all drafts in parallel): step p keeps its draft of offset p and gives the drafts kept
+    so far to the next step as tokens, which drafts the later offsets again knowing them (the last step keeps all
+    it drafts); needs a drafter trained with drafter.max_fill >= denoise_steps - 1."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
     seed: int = 0
@@ -221,6 +249,7 @@ class DFlashProposerConfig:
     tree_width: int = 1
     tree_min_prob: float = 0.0
     tree_tails: bool = False
+    denoise_steps: int = 1
     needs_target_features: bool = True
 
     def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
@@ -241,4 +270,4 @@ class DFlashProposerConfig:
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
-                              self.tree_width, self.tree_min_prob, self.tree_tails)
+                              self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps)

@@ -7,7 +7,7 @@ of the longest context), block B and k draft rows. Each request's context K/V (t
 drafter layer) is copied into row r of a static (layers, 2, P, Hkv, C, D) buffer and masked past its length;
 its last token, the context stream before its block and the block's first position go into small static
 buffers. The graph then builds the block inputs, runs the drafter and takes the head's argmax over block rows
-1..k. It returns the tokens (P, k) and, with a confidence gate, the largest probability at each (P, k). Padding
+1..k (then, with denoising steps, runs it again with the drafts so far filled in, redrafting the rest). It returns the tokens (P, k) and, with a confidence gate, the largest probability at each (P, k). Padding
 rows see no context and are never read.
 
 Owns: the static buffers, the buckets and the capture of the drafter's block forward. Ignores: which request a
@@ -115,7 +115,15 @@ class DFlashBlockGraphs:
         scores = proposer.head_scores(hidden)                                                    # (P, k, N)
         tokens, confidence = proposer.greedy_from_scores(scores)                                 # (P, k) each
         width = proposer.tree_width
-        return tokens, confidence, proposer.candidates(scores[:, 0], width) if width > 1 else None   # (P, W) each
+        top = proposer.candidates(scores[:, 0], width) if width > 1 else None                      # (P, W) each
+        for committed in range(1, min(proposer.denoise_steps, k)):   # NOTE: the proposer's denoising steps, in-graph
+            hidden = proposer.block_hidden(inputs.last_ids, last_stream, inputs.first_positions, context_kv, mask,
+                                           block, k, fill_ids=tokens[:, :committed])              # (P, k - c, H)
+            redrafted, sure = proposer.greedy_from_scores(proposer.head_scores(hidden))
+            tokens = torch.cat((tokens[:, :committed], redrafted), dim=1)
+            if confidence is not None:
+                confidence = torch.cat((confidence[:, :committed], sure), dim=1)
+        return tokens, confidence, top
 
     def _build(self, num_rows: int, width: int, block: int, k: int, sample: torch.Tensor) -> _BlockGraph:
         """sample: a context's data (layers, 2, Hkv, capacity, D), for the buffers' shapes, dtype and device."""

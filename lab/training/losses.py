@@ -157,25 +157,30 @@ def leading_runs(agree: torch.Tensor) -> torch.Tensor:
 
 
 def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
-                       draft_vocab_size: int = 0, greedy_path: bool = True) -> BlockPredictions:
+                       draft_vocab_size: int = 0, greedy_path: bool = True,
+                       fills: torch.Tensor | None = None) -> BlockPredictions:
     """The drafter's block at each anchor (S, M): the anchor's token + B-1 masks, seeing the context before it;
     labelled with the target's own distributions (its last layer among the features, over the draft vocabulary),
-    else with the text's next tokens over the whole vocabulary."""
+    else with the text's next tokens over the whole vocabulary. fills (S, M): each block's first `fills` offsets
+    hold the text's tokens instead of masks and are not scored (None: none); on the target's greedy path those are
+    the drafts a denoising step has committed (DFlashProposer's `denoise_steps`)."""
     s, t = batch.token_ids.shape
     block, num_anchors = drafter.block_size, anchors.shape[1]
     offsets = torch.arange(block, device=batch.token_ids.device)
     block_positions = (anchors[..., None] + offsets).reshape(s, -1)                # (S, M*B)
     label_positions = block_positions.clamp(max=t - 1)
-    labels = batch.token_ids.gather(1, label_positions)
-    labels[(block_positions >= batch.lengths[:, None])] = -100
-    labels = labels.view(s, num_anchors, block)[:, :, 1:]                          # (S, M, B-1)
+    text = batch.token_ids.gather(1, label_positions).view(s, num_anchors, block)[:, :, 1:]   # (S, M, B-1)
+    labels = text.masked_fill((block_positions >= batch.lengths[:, None]).view(s, num_anchors, block)[:, :, 1:], -100)
     stream = drafter.context_stream(batch.features)                                # (S, T, H)
     context = drafter.stream_kv(stream, torch.arange(t, device=stream.device)[None].expand(s, t))
+    num_fills = 0 if fills is None else int(fills.max())
     with torch.no_grad():
         first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
+        fill_embeds = target.embed_tokens(text[:, :, :num_fills]) if num_fills else None   # (S, M, F, H)
+    filled = None if fill_embeds is None else torch.arange(num_fills, device=anchors.device) < fills[..., None]
     last = stream.gather(1, (anchors - 1)[..., None].expand(-1, -1, stream.shape[-1]))    # (S, M, H): before each block
-    hidden = drafter(drafter.block_inputs(first, last), block_positions, context,
-                     block_mask(batch.lengths, anchors, t, block))                  # (S, M*B, H)
+    hidden = drafter(drafter.block_inputs(first, last, fill_embeds=fill_embeds, filled=filled), block_positions,
+                     context, block_mask(batch.lengths, anchors, t, block))         # (S, M*B, H)
     hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
     keep = labels >= 0                                                             # (S, M, B-1)
     teacher = _dflash_teacher(drafter, target, batch, anchors, block)               # (S, M, B-1, H) or None
@@ -190,19 +195,39 @@ def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batc
             on_path = on_greedy_path(labels, keep, targets)
             probs, targets = probs[on_path[keep]], targets[on_path[keep]]
             keep = keep & on_path
+    if filled is not None:   # NOTE: after the greedy path, which reads the filled offsets' greedy tokens too
+        drafted = torch.ones_like(keep)
+        drafted[..., :num_fills] = ~filled
+        if probs is not None:
+            probs, targets = probs[drafted[keep]], targets[drafted[keep]]
+        else:
+            targets = targets[drafted[keep]]
+        keep = keep & drafted
     logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
     return BlockPredictions(labels, keep, logits, targets, probs)
 
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
                 gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
-                per_offset: bool = False, greedy_path: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+                per_offset: bool = False, greedy_path: bool = True, max_fill: int = 0
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weighted block cross-entropy and its metrics. max_fill > 0: each block's first f offsets are given as
+    the text's tokens, f uniform in 0..max_fill, and offset j weighs as offset j - f would (the first drafted one
+    most); the acceptance metrics (`acceptance_length`, `top1_first`, per offset) count the blocks with f = 0, and
+    `top1_after_fill` is the first drafted offset's agreement in the others."""
+    if per_offset and max_fill:
+        raise ValueError("the per-offset metrics score whole blocks of masks: set max_fill=0 with per_offset")
     block = drafter.block_size
-    blocks = dflash_predictions(drafter, target, batch, sample_anchors(batch, num_anchors, generator),
-                                draft_vocab_size, greedy_path)
+    anchors = sample_anchors(batch, num_anchors, generator)
+    fills = None
+    if max_fill > 0:
+        fills = torch.randint(0, max_fill + 1, anchors.shape, generator=generator).to(anchors.device)   # (S, M)
+    blocks = dflash_predictions(drafter, target, batch, anchors, draft_vocab_size, greedy_path, fills)
     labels, keep, logits, targets, probs = blocks.labels, blocks.keep, blocks.logits, blocks.targets, blocks.probs
-    offsets = torch.arange(1, block, device=logits.device)
-    weights = torch.exp(-(offsets.float() - 1) / gamma).expand_as(labels)[keep]
+    offsets = torch.arange(1, block, device=logits.device).expand_as(labels)
+    if fills is not None:
+        offsets = offsets - fills[..., None]
+    weights = torch.exp(-(offsets.float() - 1) / gamma)[keep]
     if probs is None:
         ce = kl = F.cross_entropy(logits, targets, reduction="none")
     else:
@@ -210,11 +235,16 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
     kl = (kl * weights).sum() / weights.sum()
     ce = (ce * weights).sum() / weights.sum()
     correct = blocks.correct
+    metrics = {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean())}
+    if fills is not None:   # NOTE: the acceptance metrics below read the unfilled blocks alone
+        after = (offsets == 1) & keep & (fills[..., None] > 0)
+        metrics["top1_after_fill"] = float(correct[after].float().mean()) if after.any() else 0.0
+        plain = fills == 0
+        correct, keep, labels = correct[plain][None], keep[plain][None], labels[plain][None]   # (1, M', B-1)
     # NOTE: greedy acceptance length of each block = 1 + the run of correct predictions from its start.
     accepted = leading_runs(correct)                                               # (S, M)
-    metrics = {"ce": ce.item(), "kl": kl.item(), "top1_acc": float(correct[keep].float().mean()),
-               "top1_first": float(correct[..., 0][keep[..., 0]].float().mean()),   # offset 1 alone (EAGLE's task)
-               "acceptance_length": float(1 + accepted.mean())}
+    metrics |= {"top1_first": float(correct[..., 0][keep[..., 0]].float().mean()),   # offset 1 alone (EAGLE's task)
+                "acceptance_length": float(1 + accepted.mean())}
     if per_offset:   # top-1 at every offset j, and the share of blocks whose first j drafts are all right
         # NOTE: top-k (k = 2, 4) is what a tree of k candidates at offset j would catch.
         ranks = (logits > logits.gather(1, targets[:, None])).sum(-1)             # (P,): 0 = the top-1

@@ -187,6 +187,11 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     else:
         drafter = build_drafter(kind, target, options).to(target.device, torch.float32)
         init_from_target(drafter, target.model, bool(options.get("start_as_identity", False)))
+    if kind == "dflash":   # NOTE: a fine-tuned drafter keeps what it was trained to take filled before
+        if not 0 <= options.get("max_fill", 0) <= drafter.block_size - 2:
+            raise LabError(f"drafter.max_fill must be in 0..{drafter.block_size - 2} (block size - 2), "
+                           f"got {options['max_fill']}", "set drafter.max_fill to the denoising steps wanted - 1")
+        drafter.config = replace(drafter.config, max_fill=max(drafter.config.max_fill, options.get("max_fill", 0)))
     drafter = drafter.to(target.device)   # NOTE: batches are built on the CPU (the cached features) and moved here
     target_model = target.model.float().eval()
     for p in target_model.parameters():
@@ -272,7 +277,8 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
             options.get("ce_positions", 128), generator, options.get("draft_vocab_size", 0))
     return lambda drafter, batch, generator: dflash_loss(
         drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
-        options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True))
+        options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True),
+        max_fill=options.get("max_fill", 0))
 
 
 def _sampler(sizes: list[int], shares: list[float | None], generator: torch.Generator) -> Callable[[int], list[int]]:
