@@ -16,6 +16,9 @@ first answer token, k of its drafts verified, the next block at the token after 
 engine's for that k (no engine run needed), and it differs from the tau over every position when the drafter's
 right and wrong stretches are not spread evenly: the walk skips the positions inside accepted runs.
 
+`--denoise-steps S` walks the proposer's `denoise_steps`: offset j < S drafted with the drafts of offsets 1..j-1
+filled in, the later ones with 1..S-1 (a drafter trained with `drafter.max_fill` >= S - 1).
+
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
 (`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
 measured on, which the held-out ShareGPT answers need not resemble.

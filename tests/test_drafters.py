@@ -189,6 +189,8 @@ def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tin
 
 
 def _proposer(kind: str, path: Path):
+    if kind == "dflash_fill":   # NOTE: the drafter trained with fills, drafting in 3 denoising steps
+        return DFlashProposerConfig(checkpoint=str(path), denoise_steps=3)
     return EagleProposerConfig(checkpoint=str(path)) if kind == "eagle" else DFlashProposerConfig(checkpoint=str(path))
 
 
@@ -534,7 +536,7 @@ def test_greedy_path_changes_nothing_on_the_targets_own_text(trained: dict, tiny
     assert on["ce"] != off["ce"]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle", "dflash", "dflash_fill"])
 def test_sampling_with_drafters_runs_and_is_reproducible(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
     prompts = _prompts(12, seed=3)[8:12]
 
@@ -870,23 +872,27 @@ def test_training_runs_where_the_target_is(kind: str, device: str, features: str
     load_drafter(tmp_path / "d.pt", kind, cpu_target.model)
 
 
-def test_dflash_block_inputs_take_filled_offsets_as_the_first_token_is_taken(tiny_runner: ModelRunner) -> None:
+def test_dflash_block_inputs_with_fills_anchor_the_masked_rest_at_the_last_known_token(
+        tiny_runner: ModelRunner) -> None:
     """A filled offset's input is built as the block's first token's (input fusion of its embedding and the stream
-    before the block) plus its offset's mask embedding; unfilled offsets keep their mask inputs."""
+    before the block); with f offsets filled, offset j > f gets mask j - f on top of the last known token's input,
+    as offset j - f of a block starting there would."""
     config = DFlashConfig(block_size=4, mask_per_position=True, input_fusion=True, fuse_last_context=True, max_fill=2)
     drafter = DFlashDrafter(tiny_runner.config, config)
     hidden = tiny_runner.config.hidden_size
     first, last = torch.randn(2, 3, hidden), torch.randn(2, 3, hidden)
     fills = torch.randn(2, 3, 2, hidden)
+    fuse = lambda embeds: drafter.input_fc(torch.cat((embeds, last[:, :, None].expand_as(embeds)), -1))   # noqa: E731
+    start, given = fuse(first[:, :, None])[:, :, 0], fuse(fills)                       # (2, 3, H), (2, 3, 2, H)
+    mask = drafter.mask_embedding
     plain = drafter.block_inputs(first, last).view(2, 3, 4, hidden)
-    filled = torch.tensor([[True, False], [True, True], [False, False]]).expand(2, 3, 2)
-    mixed = drafter.block_inputs(first, last, fill_embeds=fills, filled=filled).view(2, 3, 4, hidden)
+    torch.testing.assert_close(plain, torch.cat((start[:, :, None], mask + start[:, :, None]), dim=2))
     every = drafter.block_inputs(first, last, fill_embeds=fills).view(2, 3, 4, hidden)
-    expected = drafter.input_fc(torch.cat((fills, last[:, :, None].expand_as(fills)), -1)) + drafter.mask_embedding[:2]
-    torch.testing.assert_close(every[:, :, 1:3], expected)
-    torch.testing.assert_close(every[:, :, [0, 3]], plain[:, :, [0, 3]])
-    torch.testing.assert_close(mixed[:, 0, 1], every[:, 0, 1])
-    torch.testing.assert_close(mixed[:, 0, 2], plain[:, 0, 2])
+    torch.testing.assert_close(every, torch.cat((start[:, :, None], given, (mask[0] + given[:, :, 1])[:, :, None]), 2))
+    filled = torch.tensor([[True, False], [True, True], [False, False]]).expand(2, 3, 2)   # f = 1, 2, 0 per block
+    mixed = drafter.block_inputs(first, last, fill_embeds=fills, filled=filled).view(2, 3, 4, hidden)
+    torch.testing.assert_close(mixed[:, 0], torch.stack((start[:, 0], given[:, 0, 0], mask[0] + given[:, 0, 0],
+                                                         mask[1] + given[:, 0, 0]), dim=1))
     torch.testing.assert_close(mixed[:, 1], every[:, 1])
     torch.testing.assert_close(mixed[:, 2], plain[:, 2])
 

@@ -166,11 +166,12 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
-                                      "eagle_gsm8k", "dflash_gsm8k", "eagle_tree", "dflash_tree"])
+                                      "eagle_gsm8k", "dflash_gsm8k", "eagle_tree", "dflash_tree", "dflash_denoise"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
     trained on ShareGPT and GSM8K's questions; those on ShareGPT alone; those trained further on GSM8K alone), and
-    the defaults verifying a tree of drafts (3 candidates for the first position)."""
+    the defaults verifying a tree of drafts (3 candidates for the first position); the drafter trained with fills,
+    drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -181,7 +182,9 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_sharegpt": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash.pt"),
               "eagle_gsm8k": EagleProposerConfig(checkpoint="checkpoints/smollm2/eagle_gsm8k.pt"),
               "dflash_gsm8k": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_gsm8k.pt"),
-              "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3)}[proposer]
+              "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
+              "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
+                                                     denoise_steps=3)}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),
                                kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=64, kv_cache_memory_mb=None))
     outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]

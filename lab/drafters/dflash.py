@@ -3,6 +3,8 @@ B-1 mask embeddings; a few decoder layers, non-causal inside the block, predict 
 in one forward. Every layer also attends to the target's context: the hidden states of several target
 layers, concatenated, projected and normalised ("KV injection": the context enters each layer only as
 keys and values). The target's frozen embedding, final norm and LM head are passed in, never stored.
+A drafter trained with `max_fill` also takes a block whose first offsets are known tokens (denoising steps: the
+drafts kept so far); its masked rest is then drafted as a block anchored at the last known token.
 
 Owns: the weights, the context K/V projection and the block forward (one code path for training, with
 many blocks per sequence, and for drafting, one block per request). Ignores: which context is valid
@@ -49,8 +51,8 @@ class DFlashConfig:
     # Adding the raw embedding instead (RMS ~0.12 beside the context stream's ~1) all but hid the last token:
     # 10 % top-1 at offset 1 where EAGLE, which reads the same two inputs through its fc, gets 47 %.
     input_fusion: bool = False
-    # NOTE: trained with its first 0..max_fill drafted offsets given as tokens (`block_inputs`' fills), the rest
-    # masked: the proposer may then redraft a block's later offsets knowing its earlier drafts (`denoise_steps`).
+    # NOTE: trained with its first 0..max_fill offsets given as tokens (`block_inputs`' fills), the rest masked: the
+    # proposer may then redraft a block's later offsets knowing its earlier drafts (`denoise_steps`).
     max_fill: int = 0
 
     def resolved(self, num_target_layers: int) -> "DFlashConfig":
@@ -154,34 +156,43 @@ class DFlashDrafter(nn.Module):
         """first_embeds (S, M, H): each block's first (known) token; last_stream (S, M, H): the context stream
         (`context_stream`) of the position before each block (read when `reads_last_context`); block_size: B,
         the trained block (default) or the first B of its positions (drafting needs no more than it verifies);
-        fill_embeds (S, M, F, H), F < B: embeddings of tokens for offsets 1..F, given instead of masks where
-        `filled` (S, M, F) is True (None: everywhere), each input built as the first token's is, plus its offset's
-        mask embedding -> inputs (S, M * B, H)."""
+        fill_embeds (S, M, F, H), F < B - 1: embeddings of known tokens at offsets 1..F, the first f of them taken
+        per block (`filled` (S, M, F), a prefix of Trues; None: all F) -> inputs (S, M * B, H).
+        Known tokens are built alike (input fusion of the embedding and the stream before the block); with f
+        filled, the block's masked rest is drafted as a block anchored at offset f: offset j gets mask j - f."""
         s, m, h = first_embeds.shape
         block_size = self.block_size if block_size is None else block_size
         if not 2 <= block_size <= self.block_size:
             raise ValueError(f"a DFlash block holds 2..{self.block_size} positions, got {block_size}")
         mask = self.mask_embedding[:block_size - 1] if self.mask_embedding.dim() == 2 else self.mask_embedding
         mask = mask.to(first_embeds.dtype)                                                       # (B-1, H) or (H,)
-        masks = mask.expand(s, m, block_size - 1, h)                                             # (S, M, B-1, H)
         known = first_embeds[:, :, None]                                                         # (S, M, 1+F, H)
         if fill_embeds is not None:
             known = torch.cat((known, fill_embeds), dim=2)
         if self.input_fc is not None:
             known = self.input_fc(torch.cat((known, last_stream[:, :, None].expand_as(known)), dim=-1))
-            rest = masks + known[:, :, :1]                                                       # (S, M, B-1, H)
         elif self.config.fuse_last_context:
-            known, rest = known + last_stream[:, :, None], masks + last_stream[:, :, None]
-        else:
-            rest = masks
-        if fill_embeds is not None:
-            num_fills = fill_embeds.shape[2]
-            fills = known[:, :, 1:] + (mask[:num_fills] if mask.dim() == 2 else mask)             # (S, M, F, H)
-            if filled is not None:
-                fills = torch.where(filled[..., None], fills, rest[:, :, :num_fills])
-            rest = torch.cat((fills, rest[:, :, num_fills:]), dim=2)
-        blocks = torch.cat((known[:, :, :1], rest), dim=2)                                      # (S, M, B, H)
-        return blocks.reshape(s, m * block_size, h)
+            known = known + last_stream[:, :, None]
+        if fill_embeds is None:
+            masks = mask.expand(s, m, block_size - 1, h)                                         # (S, M, B-1, H)
+            rest = masks + known if self.input_fc is not None else masks
+            if self.input_fc is None and self.config.fuse_last_context:
+                rest = rest + last_stream[:, :, None]
+            return torch.cat((known, rest), dim=2).reshape(s, m * block_size, h)
+        num_fills = fill_embeds.shape[2]
+        fills = (torch.full((s, m), num_fills, device=known.device) if filled is None
+                 else filled.sum(-1))                                                            # (S, M): f
+        offsets = torch.arange(1, block_size, device=known.device)                               # (B-1,): j
+        relative = offsets - fills[..., None]                                                    # (S, M, B-1): j - f
+        masks = mask[(relative - 1).clamp(min=0)] if mask.dim() == 2 else mask.expand(s, m, block_size - 1, h)
+        if self.input_fc is not None:   # NOTE: the masks after the fills ride on the last known token, as on the first
+            masks = masks + known.gather(2, fills[..., None, None].expand(-1, -1, 1, h))
+        elif self.config.fuse_last_context:
+            masks = masks + last_stream[:, :, None]
+        given = known[:, :, 1:].gather(2, (offsets - 1).clamp(max=num_fills - 1)[None, None, :, None]
+                                       .expand(s, m, -1, h))                                     # (S, M, B-1, H)
+        rest = torch.where((relative <= 0)[..., None], given, masks)
+        return torch.cat((known[:, :, :1], rest), dim=2).reshape(s, m * block_size, h)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None,

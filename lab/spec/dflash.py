@@ -10,6 +10,10 @@ request's num_computed_tokens, whose tokens are final, so rejections need no rol
 last token + k + lookahead_masks masks (at most the trained block): the drafts change a little (fewer masks
 to attend to), the output never does (the target verifies), and the drafter's layers push fewer rows.
 
+`denoise_steps` > 1 (block diffusion's denoising steps, for a drafter trained with `drafter.max_fill`): the block
+is drafted again with the drafts kept so far given as tokens, one more kept per step, so each later offset is drafted
+knowing the drafts before it, where one forward must guess it from the context alone.
+
 With the engine's graphs on (`engine.cuda_graphs`: cuda on a GPU, or eager), greedy blocks run in
 DFlashBlockGraphs (lab/spec/dflash_graphs.py): the same drafter forward on padded static buffers.
 """
@@ -263,7 +267,7 @@ class DFlashProposerConfig:
             except TypeError as exc:
                 raise LabError(f"engine.proposer.drafter has an unknown key ({exc})",
                                "use block_size, num_layers, feature_layers, intermediate_size, fuse_last_context, "
-                               "mask_per_position, input_fusion") from exc
+                               "mask_per_position, input_fusion, max_fill") from exc
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
