@@ -903,7 +903,8 @@ def test_dflash_trained_with_fills_records_them_and_scores_only_drafted_offsets(
     offsets are not scored and the first drafted one is measured apart (`top1_after_fill`)."""
     path, metrics = trained["dflash_fill"]
     drafter = load_drafter(path, "dflash", tiny_runner.model)
-    assert drafter.config.max_fill == 2 and load_drafter(trained["dflash"][0], "dflash", tiny_runner.model).config.max_fill == 0
+    assert drafter.config.max_fill == 2
+    assert load_drafter(trained["dflash"][0], "dflash", tiny_runner.model).config.max_fill == 0
     assert 0.0 <= metrics["val/top1_after_fill"] <= 1.0 and metrics["train/last_loss"] < metrics["train/first_loss"]
     sequences, features = load_training_data(tiny_runner, DataConfig(num_prompts=40, feature_layers=drafter.feature_layers),
                                              path.parent)

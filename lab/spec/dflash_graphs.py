@@ -7,8 +7,9 @@ of the longest context), block B and k draft rows. Each request's context K/V (t
 drafter layer) is copied into row r of a static (layers, 2, P, Hkv, C, D) buffer and masked past its length;
 its last token, the context stream before its block and the block's first position go into small static
 buffers. The graph then builds the block inputs, runs the drafter and takes the head's argmax over block rows
-1..k (then, with denoising steps, runs it again with the drafts so far filled in, redrafting the rest). It returns the tokens (P, k) and, with a confidence gate, the largest probability at each (P, k). Padding
-rows see no context and are never read.
+1..k (with denoising steps, again with the drafts kept so far filled in, redrafting the rest). It returns the
+tokens (P, k) and, with a confidence gate, the largest probability at each (P, k). Padding rows see no context and
+are never read.
 
 Owns: the static buffers, the buckets and the capture of the drafter's block forward. Ignores: which request a
 row is; projecting new context positions (eager, a few ops over the new positions only); sampled drafts (eager).

@@ -198,10 +198,7 @@ def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batc
     if filled is not None:   # NOTE: after the greedy path, which reads the filled offsets' greedy tokens too
         drafted = torch.ones_like(keep)
         drafted[..., :num_fills] = ~filled
-        if probs is not None:
-            probs, targets = probs[drafted[keep]], targets[drafted[keep]]
-        else:
-            targets = targets[drafted[keep]]
+        targets, probs = targets[drafted[keep]], None if probs is None else probs[drafted[keep]]
         keep = keep & drafted
     logits = F.linear(target.norm(hidden[keep]), weight, bias).float()              # (P, N)
     return BlockPredictions(labels, keep, logits, targets, probs)
