@@ -121,7 +121,9 @@ def test_greedy_tokens_equal_ar_on_tiny(engine_name: str, arrival: str, tiny_run
         assert request.status is RequestStatus.FINISHED_LENGTH, f"{request.request_id}: {request.error}"
         assert_matches_ar(tiny_runner, request, reference, f"{engine_name}/{arrival}")
     assert_nothing_held(engine)
-    if engine_name.startswith("cb_paged_preempt"):
+    if engine_name.startswith("cb_paged_preempt") and arrival == "together":
+        # NOTE: only when all 16 arrive at once: with wall-clock arrivals a fast machine may finish the early requests
+        # before the later ones arrive, and then 30 blocks suffice without preempting.
         assert engine.stats()["sched/num_preemptions"] > 0, "30 blocks of 4 tokens must force preemptions"
 
 
