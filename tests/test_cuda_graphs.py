@@ -24,7 +24,7 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
 from lab.engines.speculative import SpeculativeEngine
 from tests.conftest import compose_cfg
-from tests.helpers import make_requests
+from tests.helpers import make_requests, run_one_arrival_per_step
 from tests.test_continuous_batching import assert_matches_ar, assert_nothing_held, random_prompts
 
 MAX_TOKENS = 12
@@ -43,12 +43,10 @@ def test_eager_fixed_shape_decode_equals_ar(kv: str, tiny_runner: ModelRunner) -
     prompts = random_prompts(11, tiny_runner.vocab_size, seed=11, max_len=40)
     references = [r.output_token_ids for r in AREngine(tiny_runner).run(
         make_requests(prompts, MAX_TOKENS, ignore_eos=True)).requests]
-    requests = make_requests(prompts, MAX_TOKENS, ignore_eos=True)
-    for i, request in enumerate(requests):
-        request.arrival_time = 0.003 * i   # NOTE: staggered, so decode steps of many sizes occur
     engine = graph_engine(tiny_runner, kv, "eager")
-    result = engine.run(requests)
-    for request, reference in zip(result.requests, references):
+    # NOTE: one arrival a step (not by clock, which a fast machine outruns), so decode steps of many sizes occur
+    served = run_one_arrival_per_step(engine, make_requests(prompts, MAX_TOKENS, ignore_eos=True))
+    for request, reference in zip(served, references):
         assert_matches_ar(tiny_runner, request, reference, f"{kv}/eager graphs")
     assert_nothing_held(engine)
     stats = engine.stats()
