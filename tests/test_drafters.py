@@ -1004,6 +1004,6 @@ def test_dflash_denoising_steps_need_a_drafter_trained_with_fills(trained: dict,
     with pytest.raises(LabError, match="max_fill"):
         SpeculativeEngine(tiny_runner, DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), denoise_steps=2),
                           num_spec_tokens=2, kv_cache=KV)
-    with pytest.raises(LabError, match="denoise_steps between 1 and 3"):
+    with pytest.raises(LabError, match="denoise_steps to 1..3"):
         SpeculativeEngine(tiny_runner, DFlashProposerConfig(checkpoint=str(trained["dflash_fill"][0]), denoise_steps=4),
                           num_spec_tokens=3, kv_cache=KV)

@@ -63,11 +63,15 @@ class DFlashProposer(FeatureProposer):
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
                  tree_tails: bool = False, denoise_steps: int = 1) -> None:
         super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
-        if not 1 <= denoise_steps <= drafter.config.max_fill + 1:
-            raise LabError(f"engine.proposer.denoise_steps={denoise_steps}, but this drafter was trained to take at most "
-                           f"{drafter.config.max_fill} drafted offsets filled in (its max_fill)",
-                           f"set engine.proposer.denoise_steps between 1 and {drafter.config.max_fill + 1}, or train "
-                           f"a drafter with drafter.max_fill={max(1, denoise_steps - 1)}")
+        most = drafter.config.max_fill + 1
+        if not 1 <= denoise_steps <= most:
+            trained = (f"was trained to take at most {most - 1} drafted offsets filled in (its max_fill)" if most > 1
+                       else "was trained without drafted offsets filled in (max_fill 0)")
+            raise LabError(f"engine.proposer.denoise_steps={denoise_steps}, but this drafter {trained}",
+                           f"set engine.proposer.denoise_steps to {'1' if most == 1 else f'1..{most}'}, draft with "
+                           f"a drafter trained for it (smollm2: engine.proposer.checkpoint="
+                           f"checkpoints/smollm2/dflash_denoise.pt, up to 4 steps), or train one with "
+                           f"drafter.max_fill={max(1, denoise_steps - 1)}")
         self.block_size = drafter.block_size
         self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
