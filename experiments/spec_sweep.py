@@ -41,15 +41,16 @@ KEY = ("workload", "proposer", "k", "concurrency")
 
 def proposer_name(engine: dict[str, Any]) -> str:
     """The proposer, with what tells its variants apart: layerskip[<layers>], eagle/dflash[tree <W>] (a tree of
-    drafts, conf/experiment/tree_sweep.yaml; `+tails`: DFlash's later drafts under every runner-up)."""
+    drafts, conf/experiment/tree_sweep.yaml; `+tails`: DFlash's later drafts under every runner-up), dflash[<S>
+    steps] (denoising steps, conf/experiment/denoise_sweep.yaml)."""
     proposer = engine.get("proposer", {})
     name = PROPOSERS.get(str(proposer.get("_target_", "")).rsplit(".", 1)[-1], "?")
     if name == "layerskip":
         return f"layerskip[{proposer['num_layers']}]"
-    width = int(proposer.get("tree_width", 1))
-    if width > 1:
-        return f"{name}[tree {width}{'+tails' if proposer.get('tree_tails') else ''}]"
-    return name
+    width, steps = int(proposer.get("tree_width", 1)), int(proposer.get("denoise_steps", 1))
+    variants = [f"tree {width}{'+tails' if proposer.get('tree_tails') else ''}"] if width > 1 else []
+    variants += [f"{steps} steps"] if steps > 1 else []
+    return f"{name}[{', '.join(variants)}]" if variants else name
 
 
 def job_row(results: dict[str, Any]) -> dict[str, Any]:

@@ -92,7 +92,8 @@ def test_main_writes_three_pngs_and_a_table(spec_sweep: ModuleType, tmp_path: Pa
 
 
 def test_trained_drafters_and_trees_of_drafts_are_told_apart(spec_sweep: ModuleType) -> None:
-    """conf/experiment/tree_sweep.yaml's jobs: the proposer's name carries its tree (tree_width > 1)."""
+    """conf/experiment/tree_sweep.yaml's and denoise_sweep.yaml's jobs: the proposer's name carries its tree
+    (tree_width > 1) and its denoising steps (denoise_steps > 1)."""
     def engine(target: str, **proposer: object) -> dict:
         return {"proposer": {"_target_": f"lab.spec.{target}", **proposer}}
 
@@ -101,6 +102,9 @@ def test_trained_drafters_and_trees_of_drafts_are_told_apart(spec_sweep: ModuleT
     assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", tree_width=2,
                                            tree_tails=True)) == "dflash[tree 2+tails]"
     assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig")) == "dflash"
+    assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", denoise_steps=2)) == "dflash[2 steps]"
+    assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", tree_width=4,
+                                           denoise_steps=3)) == "dflash[tree 4, 3 steps]"
 
 
 def test_the_tree_sweep_composes_batch_one_jobs_paired_over_ar(tmp_path: Path) -> None:
@@ -111,4 +115,13 @@ def test_the_tree_sweep_composes_batch_one_jobs_paired_over_ar(tmp_path: Path) -
     for name in ("eagle", "dflash"):
         tree = compose_cfg(["+experiment=tree_sweep", f"engine={name}", "engine.proposer.tree_width=3"])
         assert tree.engine.proposer.tree_width == 3 and tree.engine.measure_speedup
+
+
+def test_the_denoise_sweep_composes_batch_one_jobs_with_the_drafter_trained_for_it(tmp_path: Path) -> None:
+    cfg = compose_cfg(["+experiment=denoise_sweep"], run_dir=tmp_path)
+    params = cfg.hydra.sweeper.params
+    assert params["engine.proposer.denoise_steps"] == "1,2,3" and params["engine.num_spec_tokens"] == "2,3"
+    assert cfg.engine.name == "dflash" and cfg.engine.speedup_baseline == "ar" and cfg.workload.max_concurrency == 1
+    job = compose_cfg(["+experiment=denoise_sweep", "engine.proposer.denoise_steps=3"])
+    assert job.engine.proposer.checkpoint.endswith("dflash_denoise.pt") and job.engine.proposer.denoise_steps == 3
 
