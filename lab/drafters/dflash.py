@@ -173,22 +173,22 @@ class DFlashDrafter(nn.Module):
             known = self.input_fc(torch.cat((known, last_stream[:, :, None].expand_as(known)), dim=-1))
         elif self.config.fuse_last_context:
             known = known + last_stream[:, :, None]
-        if fill_embeds is None:
-            masks = mask.expand(s, m, block_size - 1, h)                                         # (S, M, B-1, H)
-            rest = masks + known if self.input_fc is not None else masks
-            if self.input_fc is None and self.config.fuse_last_context:
-                rest = rest + last_stream[:, :, None]
-            return torch.cat((known, rest), dim=2).reshape(s, m * block_size, h)
-        num_fills = fill_embeds.shape[2]
-        fills = (torch.full((s, m), num_fills, device=known.device) if filled is None
-                 else filled.sum(-1))                                                            # (S, M): f
-        offsets = torch.arange(1, block_size, device=known.device)                               # (B-1,): j
-        relative = offsets - fills[..., None]                                                    # (S, M, B-1): j - f
-        masks = mask[(relative - 1).clamp(min=0)] if mask.dim() == 2 else mask.expand(s, m, block_size - 1, h)
-        if self.input_fc is not None:   # NOTE: the masks after the fills ride on the last known token, as on the first
-            masks = masks + known.gather(2, fills[..., None, None].expand(-1, -1, 1, h))
+        if fill_embeds is None:   # NOTE: f = 0 for every block: the masks ride on the first token
+            masks, anchor = mask.expand(s, m, block_size - 1, h), known                          # (S, M, B-1, H)
+        else:
+            num_fills = fill_embeds.shape[2]
+            fills = (torch.full((s, m), num_fills, device=known.device) if filled is None
+                     else filled.sum(-1))                                                        # (S, M): f
+            offsets = torch.arange(1, block_size, device=known.device)                           # (B-1,): j
+            relative = offsets - fills[..., None]                                                # (S, M, B-1): j - f
+            masks = mask[(relative - 1).clamp(min=0)] if mask.dim() == 2 else mask.expand(s, m, block_size - 1, h)
+            anchor = known.gather(2, fills[..., None, None].expand(-1, -1, 1, h))                # the last known token
+        if self.input_fc is not None:
+            masks = masks + anchor
         elif self.config.fuse_last_context:
             masks = masks + last_stream[:, :, None]
+        if fill_embeds is None:
+            return torch.cat((known, masks), dim=2).reshape(s, m * block_size, h)
         given = known[:, :, 1:].gather(2, (offsets - 1).clamp(max=num_fills - 1)[None, None, :, None]
                                        .expand(s, m, -1, h))                                     # (S, M, B-1, H)
         rest = torch.where((relative <= 0)[..., None], given, masks)
