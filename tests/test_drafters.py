@@ -705,6 +705,20 @@ def test_cascade_refuses_a_feature_reading_primary(tiny_runner: ModelRunner) -> 
         SpeculativeEngine(tiny_runner, CascadeProposerConfig(), num_spec_tokens=2, kv_cache=KV)
 
 
+def test_dflash_refuses_more_drafts_than_its_block_holds(tiny_runner: ModelRunner) -> None:
+    """A block of 4 drafts 3 tokens: asking for more is an error (directly and as a cascade's fallback), not a step
+    that silently verifies fewer than num_spec_tokens."""
+    dflash = DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4})
+    assert SpeculativeEngine(tiny_runner, dflash, num_spec_tokens=3, kv_cache=KV).proposer.max_num_spec_tokens == 3
+    with pytest.raises(LabError, match=r"(?s)num_spec_tokens=4, but this proposer drafts at most 3 .*num_spec_tokens to 1..3"):
+        SpeculativeEngine(tiny_runner, dflash, num_spec_tokens=4, kv_cache=KV)
+    cascade = CascadeProposerConfig(SuffixProposerConfig(), dflash, fallback_num_spec_tokens=5)
+    with pytest.raises(LabError, match=r"fallback_num_spec_tokens=5, but the fallback drafts at most 3"):
+        SpeculativeEngine(tiny_runner, cascade, num_spec_tokens=8, kv_cache=KV)
+    assert SpeculativeEngine(tiny_runner, replace(cascade, fallback_num_spec_tokens=3), num_spec_tokens=8,
+                             kv_cache=KV).proposer.fallback_num_spec_tokens == 3
+
+
 def test_reference_answers_extend_the_corpus(tiny_text_runner: ModelRunner, tmp_path: Path) -> None:
     """ShareGPT's recorded answers join the target's own (prefill only, cached); EAGLE trains on both with
     the target's soft labels over a draft vocabulary."""

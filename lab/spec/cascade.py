@@ -30,6 +30,11 @@ class CascadeProposer:
         if primary.feature_layers:
             raise LabError("the cascade's primary proposer must not read target features",
                            "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
+        most = getattr(fallback, "max_num_spec_tokens", None)   # NOTE: a DFlash fallback drafts at most its block
+        if most is not None and fallback_num_spec_tokens > most:
+            raise LabError(f"engine.proposer.fallback_num_spec_tokens={fallback_num_spec_tokens}, but the fallback "
+                           f"drafts at most {most} tokens a step (a DFlash drafter: its block size - 1)",
+                           f"set engine.proposer.fallback_num_spec_tokens to 0..{most}")
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
         self.feature_layers = fallback.feature_layers

@@ -73,6 +73,9 @@ class DFlashProposer(FeatureProposer):
                            f"checkpoints/smollm2/dflash_denoise.pt, up to 4 steps), or train one with "
                            f"drafter.max_fill={max(1, denoise_steps - 1)}")
         self.block_size = drafter.block_size
+        # NOTE: a block is the last token and B-1 masks, so one forward drafts at most B-1 tokens; the engine (and a
+        # cascade, for its fallback) refuses a larger num_spec_tokens rather than verify fewer than it was told to.
+        self.max_num_spec_tokens = drafter.block_size - 1
         self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
         self.lookahead_masks = lookahead_masks   # None: always the trained block
@@ -126,7 +129,7 @@ class DFlashProposer(FeatureProposer):
     def max_drafts(self, num_spec_tokens: int) -> int:
         """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up (each with
         the chain's later drafts, with tree_tails)."""
-        k = min(num_spec_tokens, self.block_size - 1)
+        k = min(num_spec_tokens, self.max_num_spec_tokens)
         return k * self.tree_width if self.tree_tails else k + self.tree_width - 1
 
     def stats(self) -> dict[str, float]:
@@ -200,7 +203,7 @@ class DFlashProposer(FeatureProposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
-        k = min(num_spec_tokens, self.block_size - 1)
+        k = min(num_spec_tokens, self.max_num_spec_tokens)
         pairs = [(r, g) for r, g in zip(requests, generators) if self.ready(r)]
         if k < 1 or not pairs:
             return {}
