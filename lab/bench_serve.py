@@ -23,6 +23,7 @@ from lab.bench.client import BenchRequest
 from lab.bench.driver import Target, benchmark
 from lab.bench.metrics import calculate, detailed
 from lab.errors import LabError
+from lab.metrics.report import speculative_rows
 from lab.request import Request
 from lab.run import build_requests, exit_on_lab_error
 
@@ -85,6 +86,11 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
         print("{:-^50}".format(header))
         for stat in ("mean", "median", *[f"p{p:g}" for p in percentiles]):
             print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
+    spec = speculative_rows(result)   # NOTE: from the server's /metrics, when it speculates and exports them
+    if spec:
+        print("{:-^50}".format("Speculative Decoding"))
+        for label, value in spec:
+            print(f"{label + ':':<40} {value:<10}")
     print("=" * 50)
 
 
@@ -93,10 +99,11 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     requests, warmups, arrival, workload_name = build_requests(cfg, TokenizerOnly(tokenizer, len(tokenizer)))
     bench_requests = [to_bench_request(r, tokenizer, cfg.prompt_format) for r in requests]
     target = Target(cfg.endpoint, cfg.api, cfg.model, OmegaConf.to_container(cfg.extra_body, resolve=True) or {},
-                    float(cfg.request_timeout_s))
+                    float(cfg.request_timeout_s), cfg.get("metrics_url"))
     offsets = [r.arrival_time for r in requests]
-    outputs, duration, model = asyncio.run(benchmark(target, bench_requests, offsets, arrival.max_concurrency,
-                                                     len(warmups), float(cfg.ready_timeout_s)))
+    measured = asyncio.run(benchmark(target, bench_requests, offsets, arrival.max_concurrency, len(warmups),
+                                     float(cfg.ready_timeout_s)))
+    outputs, duration, model = measured.outputs, measured.duration, measured.model
     percentiles = [float(p) for p in cfg.percentiles]
     slo = OmegaConf.to_container(cfg.slo, resolve=True)
     result: dict[str, Any] = {
@@ -105,7 +112,8 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "endpoint": cfg.endpoint, "workload": workload_name, "num_prompts": len(requests),
         "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
         "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
-        **calculate(outputs, duration, tokenizer, tuple(percentiles), slo)}
+        **calculate(outputs, duration, tokenizer, tuple(percentiles), slo),
+        **(measured.spec.summary() if measured.spec is not None else {})}
     if cfg.save_detailed:
         result.update(detailed(outputs, tokenizer))
     errors = [o.error for o in outputs if not o.success]

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -16,12 +17,14 @@ from omegaconf import DictConfig
 
 from lab.bench.client import BenchRequest, StreamOutput
 from lab.bench.driver import Target, benchmark
+from lab.bench.server_metrics import parse_spec_counters
 from lab.bench.metrics import calculate, peak_concurrency
 from lab.bench_serve import bench
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.engine_loop import ThreadEngineClient
 from lab.serve.server import ServerThread
+from lab.spec.counters import SpecCounters
 from tests.conftest import CONF_DIR, compose_cfg
 
 VLLM_FIELDS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -74,9 +77,10 @@ def requests_of(lengths: list[tuple[int, int]]) -> list[BenchRequest]:
 
 def test_end_to_end_counts_tokens_and_times_every_chunk(server_url: str) -> None:
     lengths = [(8, 5), (16, 9), (4, 1), (12, 7), (20, 3), (6, 11)]
-    outputs, duration, model = asyncio.run(benchmark(Target(server_url), requests_of(lengths), [0.0, 0.05, 0.1,
-                                                     0.1, 0.2, 0.3], max_concurrency=2, ready_timeout_s=10))
-    assert model == "tiny"
+    run = asyncio.run(benchmark(Target(server_url), requests_of(lengths), [0.0, 0.05, 0.1, 0.1, 0.2, 0.3],
+                                max_concurrency=2, ready_timeout_s=10))
+    outputs, duration = run.outputs, run.duration
+    assert run.model == "tiny" and run.spec is None, "cb_paged does not speculate: no spec_decode counters"
     assert all(o.success for o in outputs), [o.error for o in outputs]
     assert [o.output_tokens for o in outputs] == [n for _, n in lengths]
     assert [o.prompt_len for o in outputs] == [n for n, _ in lengths]
@@ -90,7 +94,8 @@ def test_end_to_end_counts_tokens_and_times_every_chunk(server_url: str) -> None
 
 def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
     requests = requests_of([(4, 2), (4, 5000), (4, 2)])   # the second exceeds the context: HTTP 400
-    outputs, duration, _ = asyncio.run(benchmark(Target(server_url), requests, [0.0] * 3, ready_timeout_s=10))
+    run = asyncio.run(benchmark(Target(server_url), requests, [0.0] * 3, ready_timeout_s=10))
+    outputs, duration = run.outputs, run.duration
     assert [o.success for o in outputs] == [True, False, True]
     assert outputs[1].error.startswith("HTTP 400") and "context" in outputs[1].error
     assert calculate(outputs, duration)["failed"] == 1
@@ -98,7 +103,8 @@ def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
 
 def test_chat_api_streams_text(server_url: str) -> None:
     requests = [BenchRequest("Tell me a story about a cat.", 8, 6), BenchRequest("Hello!", 3, 4)]
-    outputs, _, _ = asyncio.run(benchmark(Target(server_url, api="chat"), requests, [0.0, 0.0], ready_timeout_s=10))
+    run = asyncio.run(benchmark(Target(server_url, api="chat"), requests, [0.0, 0.0], ready_timeout_s=10))
+    outputs = run.outputs
     assert all(o.success and o.generated_text for o in outputs), [o.error for o in outputs]
     assert [o.output_tokens for o in outputs] == [6, 4]
     assert outputs[0].prompt_len > 8, "the server's usage (chat template included) replaces the local count"
@@ -114,6 +120,76 @@ def test_hydra_entry_writes_vllm_result_fields(server_url: str, tmp_path: Path) 
     assert not missing, f"results.json lacks vLLM fields {missing}"
     assert (saved["completed"], saved["total_input_tokens"], saved["total_output_tokens"]) == (6, 96, 24)
     assert saved["request_rate"] == 50 and len(saved["ttfts"]) == 6 and result["num_warmups"] == 1
+
+
+VLLM_EXPOSITION = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 18.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 6.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 0.0
+"""
+
+
+def test_spec_counters_are_read_from_any_servers_prometheus_text() -> None:
+    counts = parse_spec_counters(VLLM_EXPOSITION)
+    assert counts == SpecCounters(15, 30, 18, (9, 6, 3)), "summed over engines, positions in order, _created skipped"
+    assert parse_spec_counters(VLLM_EXPOSITION.replace("vllm:", "lab:")) == counts
+    assert parse_spec_counters('vllm:num_requests_running{model_name="m"} 0.0\n') is None, "no speculation"
+    assert parse_spec_counters("<html>not found</html>") is None
+    window = counts - SpecCounters(5, 10, 8, (4, 3, 1))
+    assert window.summary() == {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 20,
+                                "spec_decode_num_accepted_tokens": 10, "spec_decode_acceptance_rate": 50.0,
+                                "spec_decode_acceptance_length": 2.0,
+                                "spec_decode_per_position_acceptance_rate/0": 0.5,
+                                "spec_decode_per_position_acceptance_rate/1": 0.3,
+                                "spec_decode_per_position_acceptance_rate/2": 0.2}
+    assert Target("http://h:8000/v1/").prometheus_url == "http://h:8000/metrics"
+    assert Target("http://h:8000/v1", metrics_url="http://h:9000/m").prometheus_url == "http://h:9000/m"
+
+
+def test_a_speculating_server_exports_vllms_counters_and_the_bench_reports_them(
+        tiny_text_runner: ModelRunner, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """engine=speculative behind the server (drafting with the target itself: drafts get accepted): /metrics
+    carries lab:spec_decode_*, and lab-bench-serve reports the measured requests' acceptance (warm-ups and the
+    probe excluded) in results.json and its table."""
+    engine = instantiate(compose_cfg(["model=tiny", "engine=speculative", "engine/proposer=draft_model",
+                                      "engine.num_spec_tokens=3"]).engine, runner=tiny_text_runner, seed=0)
+    server = OpenAIServer(ThreadEngineClient(engine), tiny_text_runner.tokenizer, tiny_text_runner.vocab_size,
+                          ServeOptions("tiny", max_queue_len=64))
+    requests = requests_of([(8, 12), (5, 10), (11, 12), (6, 9)])
+    with ServerThread(create_app(server)) as thread:
+        run = asyncio.run(benchmark(Target(thread.url + "/v1"), requests, [0.0] * 4, max_concurrency=2,
+                                    num_warmups=1, ready_timeout_s=10))
+        text = httpx.get(thread.url + "/metrics").text
+        engine_counts = engine.spec_counters()
+        cfg = compose_cfg_bench([f"endpoint={thread.url}/v1", "workload.num_prompts=3", "workload.input_len=8",
+                                 "workload.output_len=6", "print_table=true"])
+        saved = bench(cfg, tmp_path)
+    printed = capsys.readouterr().out
+    assert saved["spec_decode_num_drafts"] > 0 and saved["spec_decode_acceptance_length"] > 1.0
+    assert json.loads((tmp_path / "results.json").read_text())["spec_decode_num_draft_tokens"] > 0
+    assert "Speculative Decoding" in printed and "Acceptance length (tau):" in printed
+    assert all(o.success for o in run.outputs), [o.error for o in run.outputs]
+    for name in ("lab:spec_decode_num_drafts_total", "lab:spec_decode_num_draft_tokens_total",
+                 "lab:spec_decode_num_accepted_tokens_total", 'lab:spec_decode_num_accepted_tokens_per_pos_total'
+                 '{model_name="tiny",position="2"}'):
+        assert name in text, f"{name} missing from /metrics"
+    assert parse_spec_counters(text) == engine_counts, "/metrics is the engine's own cumulative counts"
+    spec = run.spec
+    assert spec is not None and 0 < spec.num_drafts < engine_counts.num_drafts, "the probe and warm-up excluded"
+    assert 0 < spec.num_accepted_tokens == sum(spec.accepted_per_position) <= spec.num_draft_tokens
+    assert len(spec.accepted_per_position) == 3
 
 
 def test_serving_experiment_and_serve_configs_compose() -> None:

@@ -19,8 +19,10 @@ from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.cli import EngineFactory
+from lab.serve.engine_loop import EngineStats
 from lab.serve.replicas import ReplicaRouter, split_cpus
 from lab.serve.server import ServerThread
+from lab.spec.counters import SpecCounters
 from tests.conftest import CONF_DIR
 
 PROMPT = [17, 230, 4100, 56, 7, 812]
@@ -42,6 +44,20 @@ def test_least_outstanding_picks_the_idlest_replica_and_breaks_ties_round_robin(
     assert [router.pick().index for _ in range(4)] == [1, 2, 0, 1]
     router.router = "round_robin"
     assert [router.pick().index for _ in range(3)] == [2, 0, 1]
+
+
+def test_router_stats_add_up_the_replicas_spec_counters() -> None:
+    """/metrics behind replicas: the router's stats sum every replica's, speculative counts position by position
+    (a replica that does not speculate adds nothing)."""
+    router = ReplicaRouter(EngineFactory({}), 3, "round_robin", pin_cpus=False)
+    router.replicas[0]._stats = EngineStats(num_running=1, kv_used_bytes=10, spec=SpecCounters(4, 8, 5, (3, 2)))
+    router.replicas[1]._stats = EngineStats(num_running=2, kv_used_bytes=5, spec=SpecCounters(2, 4, 1, (1, 0)))
+    router.replicas[2]._stats = EngineStats(num_running=1)
+    total = router.stats()
+    assert (total.num_running, total.kv_used_bytes) == (4, 15)
+    assert total.spec == SpecCounters(6, 12, 6, (4, 2))
+    router.replicas[0]._stats = router.replicas[1]._stats = EngineStats()
+    assert router.stats().spec is None
 
 
 @pytest.fixture(scope="module")

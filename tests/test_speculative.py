@@ -4,6 +4,8 @@ lengths; rolled-back KV equals a run that never drafted; num_spec_tokens=0 is th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -265,6 +267,33 @@ def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(
         run_measured(engine, make_requests(_repetitive_prompts(2, seed=6), 4), max_concurrency=4)
     with pytest.raises(Exception, match="speedup_baseline must be one of"):
         SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_baseline="hf")
+
+
+def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner,
+                                                    engine_turns: list[tuple[str, list[str]]]) -> None:
+    """vLLM's SpecDecoding metrics, the draft / verify split and the paired speedup are printed; runs without
+    speculation print no such section."""
+    from lab.metrics.report import format_table
+    from lab.metrics.summary import summarize
+    from lab.run import run_measured, speedup_fields
+
+    engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
+                               measure_speedup=True, speedup_baseline="ar")
+    baseline, outcome = run_measured(engine, make_requests(_repetitive_prompts(3, seed=6), 6, ignore_eos=True),
+                                     max_concurrency=1)
+    plain = {"engine": engine.name, "model_id": "tiny", "peak_memory_mb": 1.0,
+             **summarize(outcome.requests, outcome.duration)}
+    stats = engine.stats()
+    table = format_table({**plain, **stats, **speedup_fields(baseline, outcome, "ar")})
+    section = table.split("Speculative Decoding")[1].splitlines()
+    rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in section[1:-1])   # label  value
+    assert rows["Drafts / draft tokens / accepted"] == (f"{stats['spec_decode_num_drafts']} / "
+                                                        f"{stats['spec_decode_num_draft_tokens']} / "
+                                                        f"{stats['spec_decode_num_accepted_tokens']}")
+    assert rows["Acceptance length (tau)"] == f"{stats['spec_decode_acceptance_length']:.2f}"
+    assert len(rows["Per-position acceptance (%)"].split(", ")) == 2, "one rate per drafted position (k = 2)"
+    assert rows["TPOT speedup over ar"].endswith("x (same output)")
+    assert "Speculative Decoding" not in format_table(plain)
 
 
 def test_reset_caches_forgets_prefix_blocks_and_the_suffix_history(tiny_runner: ModelRunner) -> None:

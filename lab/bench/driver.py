@@ -16,7 +16,9 @@ from typing import Any
 import aiohttp
 
 from lab.bench.client import Api, BenchRequest, StreamOutput, build_payload, send
+from lab.bench.server_metrics import read_spec_counters
 from lab.errors import LabError
+from lab.spec.counters import SpecCounters
 
 
 @dataclass
@@ -26,10 +28,26 @@ class Target:
     model: str | None = None              # None: the first model /models lists
     extra_body: dict[str, Any] = field(default_factory=dict)
     request_timeout_s: float = 6 * 3600
+    metrics_url: str | None = None        # Prometheus /metrics; None: the endpoint's server root + /metrics
 
     @property
     def url(self) -> str:
         return self.endpoint.rstrip("/") + ("/completions" if self.api == "completions" else "/chat/completions")
+
+    @property
+    def prometheus_url(self) -> str:
+        if self.metrics_url:
+            return self.metrics_url
+        root = self.endpoint.rstrip("/")
+        return root.removesuffix("/v1") + "/metrics"
+
+
+@dataclass
+class BenchmarkRun:
+    outputs: list[StreamOutput]           # in request order
+    duration: float                       # first send to last answer (s)
+    model: str                            # the model the requests named
+    spec: SpecCounters | None = None      # the server's speculative-decoding counts over the measured requests
 
 
 async def wait_ready(session: aiohttp.ClientSession, target: Target, timeout_s: float) -> str:
@@ -82,8 +100,9 @@ async def run_requests(session: aiohttp.ClientSession, target: Target, model: st
 
 async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[float],
                     max_concurrency: int | None = None, num_warmups: int = 0,
-                    ready_timeout_s: float = 120.0) -> tuple[list[StreamOutput], float, str]:
-    """(outputs, duration, model): one ready check, `num_warmups` unmeasured requests, then the run."""
+                    ready_timeout_s: float = 120.0) -> BenchmarkRun:
+    """One ready check, `num_warmups` unmeasured requests, then the run; the server's speculative-decoding
+    counters are read before and after the measured requests, where it exports them."""
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=target.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -96,5 +115,7 @@ async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[
         if num_warmups:
             warmups = [requests[i % len(requests)] for i in range(num_warmups)]
             await run_requests(session, target, model, warmups, [0.0] * num_warmups, max_concurrency)
+        before = await read_spec_counters(session, target.prometheus_url)
         outputs, duration = await run_requests(session, target, model, requests, offsets, max_concurrency)
-    return outputs, duration, model
+        after = await read_spec_counters(session, target.prometheus_url) if before is not None else None
+    return BenchmarkRun(outputs, duration, model, after - before if after is not None else None)

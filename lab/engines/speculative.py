@@ -29,6 +29,7 @@ from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
+from lab.spec.counters import SpecCounters
 from lab.spec.proposer import Draft, ProposerConfig
 from lab.spec.schedule import SpecSchedule
 
@@ -112,6 +113,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_tree_off_chain = 0      # tree verifications that accepted a runner-up, not the chain
         self.accepted_per_position = [0] * self.num_spec_tokens
         self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
+
+    def spec_counters(self) -> SpecCounters:
+        """The draft and acceptance counts since the last reset_stats (what a server exports on /metrics)."""
+        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                            tuple(self.accepted_per_position))
 
     def reset_caches(self) -> None:
         super().reset_caches()
@@ -224,21 +230,13 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         return aborted
 
     def stats(self) -> dict[str, float]:
-        drafts = max(1, self.num_drafts)
         verify_s = sum(self.phases.seconds.get(p, 0.0) for p in ("prefill", "decode", "mixed"))
-        stats = {**super().stats(), **self.proposer.stats(),
-                 "spec_decode_num_drafts": self.num_drafts,
-                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                 "spec_decode_acceptance_rate": 100.0 * self.num_accepted_tokens / max(1, self.num_draft_tokens),
-                 "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts,
+        stats = {**super().stats(), **self.proposer.stats(), **self.spec_counters().summary(),
                  "spec/num_spec_tokens": self.num_spec_tokens,
                  "spec/num_steps_not_drafted": self.num_steps_not_drafted,
                  "spec/tree_off_chain_accepts": self.num_tree_off_chain,
                  "spec/draft_s": self.phases.seconds.get("draft", 0.0), "spec/verify_s": verify_s,
                  "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
-        for position, accepted in enumerate(self.accepted_per_position):
-            stats[f"spec_decode_per_position_acceptance_rate/{position}"] = accepted / drafts
         for num_accepted, count in enumerate(self.acceptance_histogram):
             stats[f"spec/acceptance_histogram/{num_accepted}"] = count
         return stats

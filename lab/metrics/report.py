@@ -49,8 +49,35 @@ def format_table(results: dict[str, Any]) -> str:
     for key in ("peak_mem_allocated_mb", "peak_mem_reserved_mb"):
         if key in results:
             rows.append((f"Peak CUDA memory, {key.split('_')[2]} (MB)", f"{results[key]:.0f}"))
-    width = max(len(k) for k, _ in rows)
+    spec = speculative_rows(results)
+    width = max(len(k) for k, _ in rows + spec)
     bar = "=" * (width + 28)
     lines = [bar, "Serving Benchmark Result".center(len(bar)), bar]
     lines += [f"{k:<{width}}  {v:>26}" for k, v in rows]
+    if spec:
+        lines.append(" Speculative Decoding ".center(len(bar), "-"))
+        lines += [f"{k:<{width}}  {v:>26}" for k, v in spec]
     return "\n".join(lines + [bar])
+
+
+def speculative_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """What vLLM logs as its SpecDecoding metrics (drafts, acceptance rate and length, per position), with the
+    draft / verify time split and, when the run measured it, the speedup over its baseline; [] without speculation."""
+    if "spec_decode_num_drafts" not in results:
+        return []
+    per_position = [results[key] for key in sorted((k for k in results
+                                                    if k.startswith("spec_decode_per_position_acceptance_rate/")),
+                                                   key=lambda k: int(k.rsplit("/", 1)[1]))]
+    rows = [("Drafts / draft tokens / accepted", f"{results['spec_decode_num_drafts']} / "
+             f"{results['spec_decode_num_draft_tokens']} / {results['spec_decode_num_accepted_tokens']}"),
+            ("Acceptance rate (%)", f"{results['spec_decode_acceptance_rate']:.1f}"),
+            ("Acceptance length (tau)", f"{results['spec_decode_acceptance_length']:.2f}")]
+    if per_position:
+        rows.append(("Per-position acceptance (%)", ", ".join(f"{100 * rate:.0f}" for rate in per_position)))
+    if "spec/draft_s" in results:
+        rows.append(("Draft / verify time (s)", f"{results['spec/draft_s']:.2f} / {results['spec/verify_s']:.2f}"))
+    if "spec/speedup_tpot" in results:
+        same = "same output" if results.get("spec/same_output_as_baseline") else "OUTPUT DIFFERS"
+        rows.append((f"TPOT speedup over {results.get('spec/speedup_baseline', 'engine')}",
+                     f"{results['spec/speedup_tpot']:.3f}x ({same})"))
+    return rows

@@ -22,6 +22,7 @@ from typing import Protocol
 from lab.engines.base import Engine
 from lab.errors import LabError
 from lab.request import Request, RequestStatus
+from lab.spec.counters import SpecCounters
 
 log = logging.getLogger("lab.serve")
 
@@ -51,6 +52,7 @@ class EngineStats:
     kv_reserved_bytes: int = 0
     kv_used_bytes: int = 0
     num_steps: int = 0
+    spec: SpecCounters | None = None   # a speculative engine's cumulative draft / acceptance counts; else None
 
 
 @dataclass(slots=True)
@@ -182,9 +184,11 @@ class EngineLoop:
     def _update_stats(self) -> None:
         num_engine_waiting = self._num_engine_waiting()
         reserved, used = self.engine.kv_usage()
+        spec_counters = getattr(self.engine, "spec_counters", None)   # NOTE: speculative engines only
         self.stats = EngineStats(num_running=max(0, len(self.tracked) - num_engine_waiting),
                                  num_waiting=num_engine_waiting + self.inbox.qsize(), kv_reserved_bytes=reserved,
-                                 kv_used_bytes=used, num_steps=self.stats.num_steps + 1)
+                                 kv_used_bytes=used, num_steps=self.stats.num_steps + 1,
+                                 spec=spec_counters() if spec_counters is not None else None)
 
     def run(self) -> None:
         """Serve commands until a Shutdown: drain what is in flight first, or abort it and stop at once."""

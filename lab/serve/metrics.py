@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lab.serve.engine_loop import EngineStats
+from lab.spec.counters import SpecCounters
 
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                      10.0, 20.0, 40.0, 80.0)
@@ -42,6 +43,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("lab:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
         self.generation_tokens = Counter("lab:generation_tokens", "Generated tokens.", labels, registry=r)
         self.model_name = model_name
+        self.spec: SpecMetrics | None = None   # registered once the engine reports speculative counts
 
     def observe_finished(self, finish_reason: str, arrival: float, token_times: list[float]) -> None:
         m = self.model_name
@@ -63,4 +65,39 @@ class ServerMetrics:
         self.kv_used.labels(m).set(stats.kv_used_bytes)
         self.kv_reserved.labels(m).set(stats.kv_reserved_bytes)
         self.kv_usage.labels(m).set(stats.kv_used_bytes / stats.kv_reserved_bytes if stats.kv_reserved_bytes else 0.0)
+        if stats.spec is not None:
+            if self.spec is None:
+                self.spec = SpecMetrics(self.registry)
+            self.spec.update(m, stats.spec)
         return generate_latest(self.registry)
+
+
+class SpecMetrics:
+    """vLLM's speculative-decoding counters (`lab:spec_decode_num_drafts_total`, `_num_draft_tokens_total`,
+    `_num_accepted_tokens_total`, `_num_accepted_tokens_per_pos_total{position}`). The engine keeps cumulative
+    counts; each scrape adds what they grew by since the last one (all of them after an engine-side reset)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model_name"]
+        self.num_drafts = Counter("lab:spec_decode_num_drafts", "Drafts verified (one per request and step).",
+                                  labels, registry=registry)
+        self.num_draft_tokens = Counter("lab:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                        registry=registry)
+        self.num_accepted_tokens = Counter("lab:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                           registry=registry)
+        self.accepted_per_pos = Counter("lab:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position.", labels + ["position"],
+                                        registry=registry)
+        self.last = SpecCounters()
+
+    def update(self, model_name: str, counts: SpecCounters) -> None:
+        grown = counts - self.last
+        if min((grown.num_drafts, grown.num_draft_tokens, grown.num_accepted_tokens, *grown.accepted_per_position),
+               default=0) < 0:
+            grown = counts   # NOTE: the engine's counts were reset (reset_stats): all of them are new
+        self.num_drafts.labels(model_name).inc(grown.num_drafts)
+        self.num_draft_tokens.labels(model_name).inc(grown.num_draft_tokens)
+        self.num_accepted_tokens.labels(model_name).inc(grown.num_accepted_tokens)
+        for position, accepted in enumerate(grown.accepted_per_position):
+            self.accepted_per_pos.labels(model_name, str(position)).inc(accepted)
+        self.last = counts

@@ -205,6 +205,8 @@ class ReplicaRouter:
             total.kv_reserved_bytes += s.kv_reserved_bytes
             total.kv_used_bytes += s.kv_used_bytes
             total.num_steps += s.num_steps
+            if s.spec is not None:
+                total.spec = s.spec if total.spec is None else total.spec + s.spec
         return total
 
     def replica_loads(self) -> list[int]:
