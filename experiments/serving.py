@@ -1,13 +1,18 @@
 """Serving throughput-latency curves: for each server config in conf/experiment/serving.yaml
-(`serving.servers`: replicas=1 vs 2, tensor_parallel=1 vs 2), start `lab-serve` (torchrun when nproc > 1)
-on 127.0.0.1, sweep `serving.rates` with the benchmark client (lab.bench_serve, vLLM's metrics), stop the
-server; then write results.json, a markdown table and a plot of p99 TTFT / p99 TPOT / throughput vs rate.
+(`serving.servers`: replicas=1 vs 2, tensor_parallel=1 vs 2; serving_spec.yaml: no speculation vs suffix
+decoding vs DFlash), start `lab-serve` (torchrun when nproc > 1) on 127.0.0.1, sweep `serving.rates` with the
+benchmark client (lab.bench_serve, vLLM's metrics, and the server's acceptance length where it speculates),
+stop the server; then write results.json, a markdown table and a plot of p99 TTFT / p99 TPOT / throughput vs
+rate. A server that fails to start or to answer is recorded in results.json (`failed_servers`) and the
+sweep goes on with the next.
 
     python experiments/serving.py                                   # all servers, all rates
     python experiments/serving.py serving.rates=[2,inf] workload.num_prompts=16 serving.model=tiny
+    python experiments/serving.py +experiment=serving_spec          # speculation behind the server
 
-Arguments are Hydra overrides of conf/bench_serve.yaml + experiment=serving. Owns: launching servers and
-collecting the sweep. Ignores: how latencies are measured (lab.bench) and served (lab.serve).
+Arguments are Hydra overrides of conf/bench_serve.yaml + experiment=serving (or the `+experiment=` given).
+Owns: launching servers and collecting the sweep. Ignores: how latencies are measured (lab.bench) and served
+(lab.serve).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ def free_port() -> int:
 
 
 def start_server(cfg: DictConfig, spec: DictConfig, port: int, log_path: Path) -> subprocess.Popen[bytes]:
-    overrides = [f"model={cfg.serving.model}", f"engine={cfg.serving.engine}", f"serve.port={port}",
+    engine = spec.get("engine") or cfg.serving.engine   # NOTE: a server may run its own engine
+    overrides = [f"model={cfg.serving.model}", f"engine={engine}", f"serve.port={port}",
                  "serve.served_model_name=served", "serve.log_level=warning", "serve.max_queue_len=100000",
                  f"hydra.run.dir={log_path.parent / (log_path.stem + '_hydra')}", *cfg.serving.get("model_overrides", []),
                  *spec.overrides]
@@ -90,11 +96,11 @@ def with_suppressed_kill(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path) -> list[dict[str, Any]]:
+def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Start the server, append a row per rate to `rows` (kept when a later rate fails), stop the server."""
     port = free_port()
     log_path = out_dir / f"{name}.server.log"
     process = start_server(cfg, spec, port, log_path)
-    rows = []
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process, float(cfg.serving.startup_timeout_s), log_path)
         for rate in cfg.serving.rates:
@@ -102,22 +108,23 @@ def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path) ->
             OmegaConf.update(run_cfg, "endpoint", f"http://127.0.0.1:{port}/v1")
             OmegaConf.update(run_cfg, "workload.request_rate", float(rate))
             result = bench(run_cfg, out_dir / f"{name}_rate{rate}")
-            rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS}})
+            rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS},
+                         "tau": result.get("spec_decode_acceptance_length")})
             print(format_row(rows[-1]), flush=True)
     finally:
         stop_server(process)
-    return rows
 
 
 def format_row(row: dict[str, Any]) -> str:
     rate = "inf" if math.isinf(row["rate"]) else f"{row['rate']:g}"
     cells = [row["server"], rate] + [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k, _ in COLUMNS]
-    return "| " + " | ".join(cells) + " |"
+    tau = row.get("tau")   # the server's acceptance length over the run (speculating servers only)
+    return "| " + " | ".join(cells + ["-" if tau is None else f"{tau:.2f}"]) + " |"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = "| server | rate (req/s) | " + " | ".join(label for _, label in COLUMNS) + " |"
-    return "\n".join([header, "|" + "---|" * (len(COLUMNS) + 2), *(format_row(r) for r in rows)])
+    header = "| server | rate (req/s) | " + " | ".join(label for _, label in COLUMNS) + " | tau |"
+    return "\n".join([header, "|" + "---|" * (len(COLUMNS) + 3), *(format_row(r) for r in rows)])
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -145,19 +152,29 @@ def main(overrides: list[str]) -> None:
         out_dir = Path(overrides[1])
         plot(json.loads((out_dir / "results.json").read_text())["rows"], out_dir / "serving.png")
         return
+    chosen = [o for o in overrides if o.startswith("+experiment=")]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="bench_serve", overrides=["+experiment=serving", *overrides])
+        cfg = compose(config_name="bench_serve", overrides=[*(chosen or ["+experiment=serving"]),
+                                                            *(o for o in overrides if o not in chosen)])
     out_dir = ROOT / cfg.serving.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
     for name, spec in cfg.serving.servers.items():
-        print(f"== {name}: {list(spec.overrides)}", flush=True)
-        rows += sweep_server(cfg, name, spec, out_dir)
+        print(f"== {name}: engine={spec.get('engine') or cfg.serving.engine} {list(spec.overrides)}", flush=True)
+        try:
+            sweep_server(cfg, name, spec, out_dir, rows)
+        except Exception as exc:  # noqa: BLE001 - one server's failure must not lose the others' rows
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"== {name} failed: {failed[name]}", flush=True)
     (out_dir / "results.json").write_text(json.dumps({"config": OmegaConf.to_container(cfg, resolve=True),
-                                                      "rows": rows}, indent=2, default=str))
+                                                      "rows": rows, "failed_servers": failed}, indent=2, default=str))
     (out_dir / "table.md").write_text(table(rows) + "\n")
-    plot(rows, out_dir / "serving.png")
+    if rows:
+        plot(rows, out_dir / "serving.png")
     print(table(rows))
+    for name, error in failed.items():
+        print(f"failed: {name}: {error}")
     print(f"results: {out_dir}")
 
 

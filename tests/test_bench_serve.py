@@ -198,3 +198,6 @@ def test_serving_experiment_and_serve_configs_compose() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         serve = compose(config_name="serve", overrides=["model=tiny", "serve.replicas=2"])
     assert serve.engine.name == "cb_paged" and serve.serve.host == "127.0.0.1" and serve.serve.replicas == 2
+    spec = compose_cfg_bench(["+experiment=serving_spec"])
+    assert {name: server.engine for name, server in spec.serving.servers.items()} == \
+        {"no_spec": "cb_paged", "suffix": "speculative", "dflash": "dflash"} and spec.api == "chat"
