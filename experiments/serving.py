@@ -97,22 +97,27 @@ def with_suppressed_kill(process: subprocess.Popen[bytes]) -> None:
 
 
 def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """Start the server, append a row per rate to `rows` (kept when a later rate fails), stop the server."""
-    port = free_port()
-    log_path = out_dir / f"{name}.server.log"
-    process = start_server(cfg, spec, port, log_path)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", process, float(cfg.serving.startup_timeout_s), log_path)
-        for rate in cfg.serving.rates:
-            run_cfg = copy.deepcopy(cfg)
-            OmegaConf.update(run_cfg, "endpoint", f"http://127.0.0.1:{port}/v1")
-            OmegaConf.update(run_cfg, "workload.request_rate", float(rate))
-            result = bench(run_cfg, out_dir / f"{name}_rate{rate}")
-            rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS},
-                         "tau": result.get("spec_decode_acceptance_length")})
-            print(format_row(rows[-1]), flush=True)
-    finally:
-        stop_server(process)
+    """Start the server, append a row per rate to `rows` (kept when a later rate fails), stop the server. With
+    `serving.restart_per_rate` a fresh server serves each rate: nothing one rate's requests left in it (prefix
+    cache, suffix decoding's history of answers) helps the next, which repeats the same prompts."""
+    rates = list(cfg.serving.rates)
+    restart = bool(cfg.serving.get("restart_per_rate", False))
+    for group in ([[rate] for rate in rates] if restart else [rates]):
+        port = free_port()
+        log_path = out_dir / (f"{name}_rate{group[0]}.server.log" if restart else f"{name}.server.log")
+        process = start_server(cfg, spec, port, log_path)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", process, float(cfg.serving.startup_timeout_s), log_path)
+            for rate in group:
+                run_cfg = copy.deepcopy(cfg)
+                OmegaConf.update(run_cfg, "endpoint", f"http://127.0.0.1:{port}/v1")
+                OmegaConf.update(run_cfg, "workload.request_rate", float(rate))
+                result = bench(run_cfg, out_dir / f"{name}_rate{rate}")
+                rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS},
+                             "tau": result.get("spec_decode_acceptance_length")})
+                print(format_row(rows[-1]), flush=True)
+        finally:
+            stop_server(process)
 
 
 def format_row(row: dict[str, Any]) -> str:

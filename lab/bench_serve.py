@@ -101,8 +101,13 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     target = Target(cfg.endpoint, cfg.api, cfg.model, OmegaConf.to_container(cfg.extra_body, resolve=True) or {},
                     float(cfg.request_timeout_s), cfg.get("metrics_url"))
     offsets = [r.arrival_time for r in requests]
+    warmup_max_tokens = cfg.get("warmup_max_tokens")
+    if warmup_max_tokens is not None and int(warmup_max_tokens) < 1:
+        raise LabError(f"warmup_max_tokens must be >= 1 or null, got {warmup_max_tokens}",
+                       "use null (each warm-up generates its request's length, as vLLM) or e.g. 4")
     measured = asyncio.run(benchmark(target, bench_requests, offsets, arrival.max_concurrency, len(warmups),
-                                     float(cfg.ready_timeout_s)))
+                                     float(cfg.ready_timeout_s),
+                                     None if warmup_max_tokens is None else int(warmup_max_tokens)))
     outputs, duration, model = measured.outputs, measured.duration, measured.model
     percentiles = [float(p) for p in cfg.percentiles]
     slo = OmegaConf.to_container(cfg.slo, resolve=True)

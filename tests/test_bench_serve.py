@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +91,26 @@ def test_end_to_end_counts_tokens_and_times_every_chunk(server_url: str) -> None
     result = calculate(outputs, duration)
     assert result["max_concurrent_requests"] <= 2, "closed loop exceeded max_concurrency"
     assert result["total_output_tokens"] == sum(n for _, n in lengths)
+
+
+def test_warmups_can_stop_after_a_few_tokens(server_url: str) -> None:
+    """warmup_max_tokens: the probe and each warm-up generate at most that many tokens; the measured requests
+    their full length (the server's generation counter tells)."""
+    def generated() -> float:
+        text = httpx.get(server_url.removesuffix("/v1") + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("lab:generation_tokens_total"))
+
+    lengths = [(8, 9), (6, 7), (5, 8)]
+    before = generated()
+    run = asyncio.run(benchmark(Target(server_url), requests_of(lengths), [0.0] * 3, num_warmups=2,
+                                ready_timeout_s=10, warmup_max_tokens=3))
+    assert [o.output_tokens for o in run.outputs] == [9, 7, 8]
+    # NOTE: the server counts a request once its stream has closed, which may be just after the client saw [DONE]
+    deadline = time.monotonic() + 5
+    while generated() - before < 24 + 3 + 2 * 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert generated() - before == 24 + 3 + 2 * 3, "measured 24, probe 3, two warm-ups of 3"
 
 
 def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
