@@ -1,6 +1,7 @@
 """experiments/serving.py end to end on the tiny model: each server of `serving_spec` runs its own engine as a
-`lab-serve` subprocess, a speculating one reports its acceptance length, and a server that cannot start (DFlash's
-drafter was trained for SmolLM2, not for the tiny model) is recorded without losing the other servers' rows."""
+`lab-serve` subprocess (a fresh one per rate), a speculating one reports its acceptance length, and a server
+that cannot start (DFlash's drafter was trained for SmolLM2, not for the tiny model) is recorded without losing
+the other servers' rows."""
 
 from __future__ import annotations
 
@@ -18,5 +19,5 @@ def test_a_failing_server_does_not_sink_the_serving_sweep(tmp_path: Path) -> Non
     assert set(rows) == {"no_spec", "suffix"} and all(row["completed"] == 2 for row in rows.values())
     assert rows["no_spec"]["tau"] is None and rows["suffix"]["tau"] >= 1.0, "tau only where the server speculates"
     assert list(saved["failed_servers"]) == ["dflash"] and "server exited" in saved["failed_servers"]["dflash"]
-    assert "trained for target" in (tmp_path / "dflash.server.log").read_text()
+    assert "trained for target" in (tmp_path / "dflash_rateinf.server.log").read_text()
     assert (tmp_path / "serving.png").exists() and "| suffix | inf |" in (tmp_path / "table.md").read_text()
