@@ -21,6 +21,8 @@ from lab.bench.driver import Target, benchmark
 from lab.bench.server_metrics import parse_spec_counters
 from lab.bench.metrics import calculate, peak_concurrency
 from lab.bench_serve import bench
+from lab.engines.ar import AREngine
+from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.engine_loop import ThreadEngineClient
@@ -181,9 +183,9 @@ def test_spec_counters_are_read_from_any_servers_prometheus_text() -> None:
 
 def test_a_speculating_server_exports_vllms_counters_and_the_bench_reports_them(
         tiny_text_runner: ModelRunner, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """engine=speculative behind the server (drafting with the target itself: drafts get accepted): /metrics
-    carries lab:spec_decode_*, and lab-bench-serve reports the measured requests' acceptance (warm-ups and the
-    probe excluded) in results.json and its table."""
+    """engine=speculative behind the server (drafting with the target itself: drafts get accepted), two streams
+    at a time: the answers are AR's, /metrics carries lab:spec_decode_*, and lab-bench-serve reports the measured
+    requests' acceptance (warm-ups and the probe excluded) in results.json and its table."""
     engine = instantiate(compose_cfg(["model=tiny", "engine=speculative", "engine/proposer=draft_model",
                                       "engine.num_spec_tokens=3"]).engine, runner=tiny_text_runner, seed=0)
     server = OpenAIServer(ThreadEngineClient(engine), tiny_text_runner.tokenizer, tiny_text_runner.vocab_size,
@@ -202,6 +204,10 @@ def test_a_speculating_server_exports_vllms_counters_and_the_bench_reports_them(
     assert json.loads((tmp_path / "results.json").read_text())["spec_decode_num_draft_tokens"] > 0
     assert "Speculative Decoding" in printed and "Acceptance length (tau):" in printed
     assert all(o.success for o in run.outputs), [o.error for o in run.outputs]
+    expected = AREngine(tiny_text_runner).run([Request(f"r{i}", list(r.prompt), SamplingParams(
+        max_tokens=r.output_len, ignore_eos=True)) for i, r in enumerate(requests)]).requests
+    assert [o.generated_text for o in run.outputs] == \
+        [tiny_text_runner.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) for r in expected]
     for name in ("lab:spec_decode_num_drafts_total", "lab:spec_decode_num_draft_tokens_total",
                  "lab:spec_decode_num_accepted_tokens_total", 'lab:spec_decode_num_accepted_tokens_per_pos_total'
                  '{model_name="tiny",position="2"}'):

@@ -134,6 +134,34 @@ def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> Non
         assert name in text, f"{name} missing from /metrics"
 
 
+def test_dflash_behind_the_server_is_lossless_at_batch_4(tiny_text_runner: ModelRunner) -> None:
+    """A DFlash engine (a random drafter: its drafts get rejected, so every step rolls back) serving 4 concurrent
+    greedy streams answers each exactly as AR does, and its /metrics counts the drafts it verified. Accepted
+    drafts behind the server: tests/test_bench_serve.py (the target drafting for itself)."""
+    import asyncio
+
+    from lab.bench.client import BenchRequest
+    from lab.bench.driver import Target, benchmark
+    from lab.bench.server_metrics import parse_spec_counters
+    from lab.engines.speculative import SpeculativeEngine
+    from lab.spec.dflash import DFlashProposerConfig
+
+    engine = SpeculativeEngine(tiny_text_runner, DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}),
+                               num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=4),
+                               kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None))
+    prompts = [[(31 * i + 7 * j) % 900 + 50 for j in range(5 + 3 * i)] for i in range(4)]
+    expected = [tiny_text_runner.tokenizer.decode(reference_tokens(tiny_text_runner, p, 14), skip_special_tokens=True)
+                for p in prompts]
+    served = Served(tiny_text_runner, engine=engine)
+    with served.thread:
+        run = asyncio.run(benchmark(Target(served.url + "/v1"), [BenchRequest(p, len(p), 14) for p in prompts],
+                                    [0.0] * 4, max_concurrency=4, ready_timeout_s=10))
+        counts = parse_spec_counters(httpx.get(served.url + "/metrics").text)
+    assert [o.generated_text for o in run.outputs] == expected
+    assert counts is not None and counts == engine.spec_counters()
+    assert counts.num_draft_tokens > 0, counts
+
+
 BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("malformed json", b'{"model": "tiny", "prompt": ', 400, None),
     ("not an object", b"[1, 2]", 400, None),
