@@ -227,4 +227,4 @@ def test_serving_experiment_and_serve_configs_compose() -> None:
     assert serve.engine.name == "cb_paged" and serve.serve.host == "127.0.0.1" and serve.serve.replicas == 2
     spec = compose_cfg_bench(["+experiment=serving_spec"])
     assert {name: server.engine for name, server in spec.serving.servers.items()} == \
-        {"no_spec": "cb_paged", "suffix": "speculative", "dflash": "dflash"} and spec.api == "chat"
+        {"no_spec": "cb_paged", "suffix": "speculative", "dflash": "dflash", "dflash_adaptive": "dflash_adaptive"} and spec.api == "chat"

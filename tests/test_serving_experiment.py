@@ -12,8 +12,9 @@ from tests.helpers import load_experiment
 
 
 def test_a_failing_server_does_not_sink_the_serving_sweep(tmp_path: Path) -> None:
-    load_experiment("serving").main(["+experiment=serving_spec", "serving.model=tiny", "serving.rates=[inf]", "workload.num_prompts=2",
-          "workload.output_len=2", "workload.num_warmups=0", f"serving.out_dir={tmp_path}"])
+    load_experiment("serving").main([
+        "+experiment=serving_spec", "~serving.servers.dflash_adaptive", "serving.model=tiny", "serving.rates=[inf]",
+        "workload.num_prompts=2", "workload.output_len=2", "workload.num_warmups=0", f"serving.out_dir={tmp_path}"])
     saved = json.loads((tmp_path / "results.json").read_text())
     rows = {row["server"]: row for row in saved["rows"]}
     assert set(rows) == {"no_spec", "suffix"} and all(row["completed"] == 2 for row in rows.values())
