@@ -269,8 +269,7 @@ def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(
         SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV, speedup_baseline="hf")
 
 
-def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner,
-                                                    engine_turns: list[tuple[str, list[str]]]) -> None:
+def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner) -> None:
     """vLLM's SpecDecoding metrics, the draft / verify split and the paired speedup are printed; runs without
     speculation print no such section."""
     from lab.metrics.report import format_table
