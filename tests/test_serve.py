@@ -5,6 +5,7 @@ stop strings, seeds, /v1/models, /health, /metrics, OpenAI-style 4xx bodies, and
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,9 +14,13 @@ import httpx
 import openai
 import pytest
 
+from lab.bench.client import BenchRequest
+from lab.bench.driver import Target, benchmark
+from lab.bench.server_metrics import parse_spec_counters
 from lab.engines.ar import AREngine
 from lab.engines.base import Engine
 from lab.engines.continuous import ContinuousBatchingEngine
+from lab.engines.speculative import SpeculativeEngine
 from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -23,6 +28,7 @@ from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.sched import SchedulerConfig
 from lab.serve.engine_loop import AddRequest, EngineLoop, RequestOutput, Shutdown, ThreadEngineClient
 from lab.serve.server import ServerThread
+from lab.spec.dflash import DFlashProposerConfig
 from tests.helpers import chat_prompt
 
 MODEL = "tiny"
@@ -138,14 +144,6 @@ def test_dflash_behind_the_server_is_lossless_at_batch_4(tiny_text_runner: Model
     """A DFlash engine (a random drafter: its drafts get rejected, so every step rolls back) serving 4 concurrent
     greedy streams answers each exactly as AR does, and its /metrics counts the drafts it verified. Accepted
     drafts behind the server: tests/test_bench_serve.py (the target drafting for itself)."""
-    import asyncio
-
-    from lab.bench.client import BenchRequest
-    from lab.bench.driver import Target, benchmark
-    from lab.bench.server_metrics import parse_spec_counters
-    from lab.engines.speculative import SpeculativeEngine
-    from lab.spec.dflash import DFlashProposerConfig
-
     engine = SpeculativeEngine(tiny_text_runner, DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}),
                                num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=4),
                                kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None))

@@ -30,7 +30,7 @@ from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.counters import SpecCounters
-from lab.spec.proposer import Draft, ProposerConfig
+from lab.spec.proposer import Draft, ProposerConfig, check_num_spec_tokens
 from lab.spec.schedule import SpecSchedule
 
 SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
@@ -65,12 +65,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
-        most = getattr(self.proposer, "max_num_spec_tokens", None)   # NOTE: proposers that draft a fixed block
-        if most is not None and num_spec_tokens > most:
-            raise LabError(f"engine.num_spec_tokens={num_spec_tokens}, but this proposer drafts at most {most} tokens "
-                           f"a step (DFlash: its block size - 1)",
-                           f"set engine.num_spec_tokens to 1..{most}, or use a drafter trained with a larger "
-                           f"drafter.block_size")
+        check_num_spec_tokens(self.proposer, num_spec_tokens, "engine.num_spec_tokens", "this proposer", lowest=1)
         tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
         max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
         if max_drafts > MAX_TREE_DRAFTS:

@@ -22,7 +22,7 @@ import torch
 
 from lab.errors import LabError
 from lab.request import Request
-from lab.spec.proposer import Draft, Proposer
+from lab.spec.proposer import Draft, Proposer, check_num_spec_tokens
 
 
 class CascadeProposer:
@@ -30,11 +30,8 @@ class CascadeProposer:
         if primary.feature_layers:
             raise LabError("the cascade's primary proposer must not read target features",
                            "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
-        most = getattr(fallback, "max_num_spec_tokens", None)   # NOTE: a DFlash fallback drafts at most its block
-        if most is not None and fallback_num_spec_tokens > most:
-            raise LabError(f"engine.proposer.fallback_num_spec_tokens={fallback_num_spec_tokens}, but the fallback "
-                           f"drafts at most {most} tokens a step (a DFlash drafter: its block size - 1)",
-                           f"set engine.proposer.fallback_num_spec_tokens to 0..{most}")
+        check_num_spec_tokens(fallback, fallback_num_spec_tokens, "engine.proposer.fallback_num_spec_tokens",
+                              "the fallback", lowest=0)
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
         self.feature_layers = fallback.feature_layers

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from lab.errors import LabError
 from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
 from lab.spec.tree import limit_depth
@@ -59,6 +60,16 @@ class Proposer(Protocol):
 
     def stats(self) -> dict[str, float]:
         ...
+
+
+def check_num_spec_tokens(proposer: object, num_spec_tokens: int, setting: str, who: str, lowest: int) -> None:
+    """Refuse `setting` = num_spec_tokens beyond what `proposer` drafts in a step (its `max_num_spec_tokens`, for
+    proposers that draft a fixed block: DFlash's block size - 1), rather than verify fewer than asked."""
+    most = getattr(proposer, "max_num_spec_tokens", None)
+    if most is not None and num_spec_tokens > most:
+        raise LabError(f"{setting}={num_spec_tokens}, but {who} drafts at most {most} tokens a step (DFlash: its "
+                       f"block size - 1)", f"set {setting} to {lowest}..{most}, or use a drafter trained with a "
+                       f"larger drafter.block_size")
 
 
 def pick_draft_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
