@@ -93,6 +93,15 @@ def test_experiment_configs_compose(experiment: str) -> None:
     assert compose_cfg([f"+experiment={experiment}", "concurrency=1"]).workload.num_prompts == 4
 
 
+@pytest.mark.parametrize("experiment", ["crossover", "crossover_prompt_len"])
+def test_the_sweeps_run_one_single_threaded_job_per_core_of_two(experiment: str, tmp_path: Path) -> None:
+    cfg = compose_cfg([f"+experiment={experiment}"], run_dir=tmp_path)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher") and cfg.hydra.launcher.n_jobs == 2
+    assert cfg.threads == 1
+    sequential = compose_cfg([f"+experiment={experiment}", "hydra.launcher.n_jobs=1"], run_dir=tmp_path)
+    assert sequential.hydra.launcher.n_jobs == 1
+
+
 def test_the_prompt_length_sweep_runs_sharegpt_only(tmp_path: Path) -> None:
     # NOTE: Hydra merges an experiment's sweeper params into those of the experiment it extends; crossover's
     # `workload: mtbench,gsm8k` once leaked into this sweep, where no prompt is 256+ tokens long

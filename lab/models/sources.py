@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from lab.errors import LabError
 
@@ -66,14 +67,24 @@ def find_smollm2_gguf() -> Path:
 
 
 def convert_smollm2(cache_dir: Path) -> Path:
-    """Dequantize the bundled GGUF once into an HF directory (config, safetensors, tokenizer, chat template)."""
+    """Dequantize the bundled GGUF once into an HF directory (config, safetensors, tokenizer, chat template).
+
+    Processes that need it at the same time (a sweep's parallel jobs on a new machine) take turns on a file lock:
+    one converts, the others wait and then load its result."""
     target = cache_dir / "smollm2-135m-instruct"
     if (target / "model.safetensors").is_file():
         return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "model.safetensors").is_file():   # NOTE: else another process converted it while we waited
+            _convert_gguf(find_smollm2_gguf(), target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = find_smollm2_gguf()
     print(f"[lab] converting {gguf.name} to an HF directory in {target} (once, ~30 s)", flush=True)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -97,7 +108,6 @@ def convert_smollm2(cache_dir: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     print(f"[lab] converted in {time.perf_counter() - started:.1f} s", flush=True)
-    return target
 
 
 def load_hf_directory(path: Path, model_id: str | None = None, load_tokenizer: bool = True) -> ModelSource:
