@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from lab.kv_cache import PagedKVCacheManager
 from lab.models.sources import smollm2
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -32,9 +33,10 @@ from lab.spec.feature_proposer import FeatureProposer
 CONTEXT = 150      # tokens of context before the first draft
 
 
-def _request(proposer: FeatureProposer, features: torch.Tensor) -> Request:
-    request = Request("r", list(range(100, 100 + CONTEXT)), SamplingParams(max_tokens=100_000))
-    proposer.store.write("r", 0, features[:CONTEXT - 1])
+def _request(proposer: FeatureProposer, features: torch.Tensor, request_id: str) -> Request:
+    request = Request(request_id, list(range(100, 100 + CONTEXT)), SamplingParams(max_tokens=100_000))
+    proposer.store.kv.allocate_slots(request, CONTEXT)                 # NOTE: the blocks the features live in
+    proposer.store.write(request_id, 0, features[:CONTEXT - 1])
     request.num_computed_tokens = CONTEXT - 1
     return request
 
@@ -44,7 +46,8 @@ def _advance(proposer: FeatureProposer, request: Request, features: torch.Tensor
     for _ in range(num_new):
         request.output_token_ids.append(100 + request.num_tokens % 200)
     start, end = request.num_computed_tokens, request.num_tokens - 1
-    proposer.store.write("r", start, features[start:end])              # NOTE: only the new rows, as the engine does
+    proposer.store.kv.allocate_slots(request, request.num_tokens - start)
+    proposer.store.write(request.request_id, start, features[start:end])              # NOTE: only the new rows, as the engine does
     request.num_computed_tokens = end
 
 
@@ -62,7 +65,8 @@ def main() -> None:
     runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
     config_cls = EagleProposerConfig if args.drafter == "eagle" else DFlashProposerConfig
     checkpoint = {"checkpoint": args.checkpoint} if args.checkpoint else {}
-    variants = {name: config_cls(half_weights=half, **checkpoint).build(runner, num_blocks=512, block_size=16)
+    variants = {name: config_cls(half_weights=half, **checkpoint).build(
+        runner, PagedKVCacheManager(num_blocks=512, block_size=16, enable_prefix_caching=False))
                 for name, half in (("fp32", False), ("fp16", True))}
     width = runner.config.hidden_size * len(variants["fp16"].drafter.feature_layers)
     features = torch.randn(CONTEXT + 40 * args.calls, width)
@@ -72,7 +76,7 @@ def main() -> None:
     print("| tokens caught up | fp32 weights (ms) | fp16 weights (ms) | fp32 / fp16 |")
     print("|---:|---:|---:|---:|")
     for num_new in (int(n) for n in args.new.split(",")):
-        requests = {name: _request(p, features) for name, p in variants.items()}
+        requests = {name: _request(p, features, f"r{num_new}") for name, p in variants.items()}
         times: dict[str, list[float]] = {name: [] for name in variants}
         for call in range(args.calls + 2):
             order = list(variants) if call % 2 == 0 else list(reversed(variants))
@@ -84,7 +88,7 @@ def main() -> None:
                 draft = proposer.propose([request], args.k, [None])
                 if call >= 2:                                    # NOTE: the first two calls warm up
                     times[name].append(time.perf_counter() - start)
-                assert draft["r"].token_ids, "the benchmark request was not drafted"
+                assert draft[request.request_id].token_ids, "the benchmark request was not drafted"
         fp32, fp16 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16"))
         print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {fp32 / fp16:.2f}x |")
     if args.profile:

@@ -20,7 +20,7 @@ from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.engines.ar import AREngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
-from lab.kv_cache import PagedKVCacheConfig
+from lab.kv_cache import PagedKVCacheConfig, PagedKVCacheManager
 from lab.kv_cache.base import NoCache
 from lab.models.sources import default_cache_dir, tiny
 from lab.request import Request, SamplingParams
@@ -211,7 +211,42 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
     stats = engine.stats()
     assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
     assert stats["spec/draft_unready_requests"] == 0
-    assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
+    assert engine.kv_manager.num_held_blocks == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_prefix_cache_hits_bring_their_features_along(trained: dict, kind: str, max_num_seqs: int,
+                                                      tiny_runner: ModelRunner) -> None:
+    """Feature drafters keep prefix caching on: the features live in the KV blocks (lab/spec/features.py), so a
+    request served a cached prompt prefix drafts from the features the forward that computed those blocks wrote.
+    They equal what a run without prefix caching computes for that request, and the output is `ar`'s."""
+    common = _prompts(16, seed=3)[12]                        # 19 tokens: 4 full blocks of 4 to share
+    prompts = [common, common + [7, 8, 9], common[:13] + [5, 6], common + common[:5], common]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 16, ignore_eos=True)).requests]
+    first_features = {}
+    for caching in (True, False):
+        engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=3,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),
+                                   kv_cache=replace(KV, enable_prefix_caching=caching))
+        seen, propose, store = {}, engine.proposer.propose, engine.proposer.store
+
+        def recording_propose(requests, *args, seen=seen, propose=propose, store=store):
+            for r in requests:   # NOTE: every known position's features, at each request's first draft
+                seen.setdefault(r.request_id, store.read(r.request_id, 0, r.num_computed_tokens).clone())
+            return propose(requests, *args)
+
+        engine.proposer.propose = recording_propose
+        requests = make_requests(prompts, 16, ignore_eos=True)
+        for i, request in enumerate(requests):
+            request.arrival_time = 0.05 * i
+        assert [r.output_token_ids for r in engine.run(requests).requests] == expected
+        assert (engine.kv_manager.num_hit_tokens > 0) == caching
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+        first_features[caching] = seen
+    assert first_features[True].keys() == first_features[False].keys() == {r.request_id for r in requests}
+    for request_id, features in first_features[True].items():
+        torch.testing.assert_close(features, first_features[False][request_id], atol=1e-5, rtol=1e-4)
 
 
 def _record_drafts(engine: SpeculativeEngine) -> list:
@@ -249,7 +284,7 @@ def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: d
         drafts[width] = _record_drafts(engine)
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
         stats[width] = engine.stats()
-        assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.store._rows
+        assert engine.kv_manager.num_held_blocks == 0
     assert stats[3]["spec/tree_off_chain_accepts"] > 0 and stats[1]["spec/tree_off_chain_accepts"] == 0
     assert all(d.parents is None for d in drafts[1]) and any(d.parents is not None for d in drafts[3])
     # NOTE: a node under a runner-up of the first position: EAGLE's beam goes on there, DFlash's tree does not
@@ -345,15 +380,16 @@ def test_trees_of_drafts_in_fixed_shape_graphs_verify_as_the_eager_engine(traine
         assert stats["eager"][key] == stats["off"][key], key
 
 
-def test_untrained_drafters_are_lossless_and_prefix_caching_is_turned_off(tiny_runner: ModelRunner) -> None:
-    prompts = [p * 2 for p in _prompts(3, seed=4)]   # shared blocks the prefix cache would serve
+def test_untrained_drafters_are_lossless_with_prefix_caching_on(tiny_runner: ModelRunner) -> None:
+    prompts = [p * 2 for p in _prompts(3, seed=4)]
+    prompts.append(prompts[0] + [3])                 # the first prompt's blocks, served by the prefix cache
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 10, ignore_eos=True)).requests]
     kv = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None, enable_prefix_caching=True)
     for config in (EagleProposerConfig(checkpoint=None), DFlashProposerConfig(checkpoint=None, drafter={"block_size": 3})):
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, scheduler=SchedulerConfig(max_num_seqs=3),
                                    kv_cache=kv)
-        assert not engine.kv_manager.enable_prefix_caching
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 10, ignore_eos=True)).requests] == expected
+        assert engine.kv_manager.num_hit_tokens > 0
 
 
 def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) -> None:
@@ -407,7 +443,7 @@ def test_dflash_drafting_a_block_cut_to_the_verified_drafts_is_lossless(trained:
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
     assert set(blocks) == {3} and engine.stats()["spec_decode_num_accepted_tokens"] > 0
     with pytest.raises(LabError, match="lookahead_masks must be >= 0"):
-        DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=-1).build(tiny_runner, 64, 4)
+        DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=-1).build(tiny_runner, PagedKVCacheManager(64, 4))
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
@@ -587,7 +623,7 @@ def test_the_confidence_gate_keeps_the_prefix_above_the_threshold(trained: dict,
     config = _proposer("eagle", trained["eagle"][0])
     config.min_confidence = 1.5
     with pytest.raises(LabError, match="min_confidence <= 1"):
-        config.build(tiny_runner, 64, 4)
+        config.build(tiny_runner, PagedKVCacheManager(64, 4))
 
 
 def test_bad_training_settings_name_the_key() -> None:
@@ -644,8 +680,8 @@ def test_a_draft_vocabulary_keeps_speculation_lossless(trained: dict, kind: str,
 
 
 def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_runner: ModelRunner) -> None:
-    full = _proposer("eagle", trained["eagle"][0]).build(tiny_runner, 64, 4)
-    cut = _proposer_with_vocab("eagle", trained["eagle"][0], 40).build(tiny_runner, 64, 4)
+    full = _proposer("eagle", trained["eagle"][0]).build(tiny_runner, PagedKVCacheManager(64, 4))
+    cut = _proposer_with_vocab("eagle", trained["eagle"][0], 40).build(tiny_runner, PagedKVCacheManager(64, 4))
     assert cut.draft_head.weight.data_ptr() == tiny_runner.model.lm_head.weight.data_ptr(), "a view, not a copy"
     hidden = torch.randn(3, 15, tiny_runner.config.hidden_size)   # 45 rows: the batched (GEMM) path too
     with torch.inference_mode():
@@ -654,9 +690,9 @@ def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_r
     torch.testing.assert_close(logits[..., :40], reference[..., :40], atol=1e-5, rtol=1e-5)
     assert torch.isinf(logits[..., 40:]).all()
     with pytest.raises(LabError, match="draft_vocab_size must be >= 0"):
-        _proposer_with_vocab("eagle", trained["eagle"][0], -1).build(tiny_runner, 64, 4)
+        _proposer_with_vocab("eagle", trained["eagle"][0], -1).build(tiny_runner, PagedKVCacheManager(64, 4))
     assert _proposer_with_vocab("eagle", trained["eagle"][0], tiny_runner.config.vocab_size).build(
-        tiny_runner, 64, 4).draft_head is None
+        tiny_runner, PagedKVCacheManager(64, 4)).draft_head is None
 
 
 @pytest.mark.parametrize("fallback", ["eagle", "dflash"])
@@ -669,7 +705,6 @@ def test_suffix_then_drafter_cascade_is_lossless_and_uses_both(trained: dict, ma
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     config = CascadeProposerConfig(SuffixProposerConfig(), _proposer(fallback, trained[fallback][0]),
                                    fallback_num_spec_tokens=2)
-    assert config.needs_target_features
     engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=4, kv_cache=KV,
                                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32))
     result = engine.run(make_requests(prompts, 24, ignore_eos=True))
@@ -677,7 +712,7 @@ def test_suffix_then_drafter_cascade_is_lossless_and_uses_both(trained: dict, ma
     stats = engine.stats()
     assert stats["spec/primary_drafts"] > 0 and stats["spec/fallback_drafts"] > 0, stats
     assert stats["spec/draft_unready_requests"] == 0
-    assert engine.kv_manager.num_held_blocks == 0 and not engine.proposer.fallback.store._rows
+    assert engine.kv_manager.num_held_blocks == 0
 
 
 def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:

@@ -13,7 +13,6 @@ follow vLLM's spec-decode names.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -45,11 +44,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
                  speedup_baseline: str = "engine") -> None:
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
+        # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
+        # (lab/spec/features.py), so a cached prompt block brings its features along.
         kv_cache = kv_cache or PagedKVCacheConfig()
-        if getattr(proposer, "needs_target_features", False) and getattr(kv_cache, "enable_prefix_caching", False):
-            # NOTE: a prompt block served from the prefix cache is never run through the target, so its
-            # features would be missing; feature-reading drafters (EAGLE, DFlash) need every position.
-            kv_cache = dataclasses.replace(kv_cache, enable_prefix_caching=False)
         super().__init__(runner, scheduler, kv_cache, name or "speculative", seed, cuda_graphs)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if speedup_rounds < 1:
@@ -64,7 +61,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
-        self.proposer = proposer.build(runner, self.kv_manager.num_blocks, self.kv_manager.block_size)
+        self.proposer = proposer.build(runner, self.kv_manager)
         check_num_spec_tokens(self.proposer, num_spec_tokens, "engine.num_spec_tokens", "this proposer", lowest=1)
         tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
         max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lab.errors import LabError
+from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.spec.proposer import Draft, Proposer, check_num_spec_tokens
 
@@ -82,16 +83,12 @@ class CascadeProposerConfig:
     fallback: Any = None
     fallback_num_spec_tokens: int = 2
 
-    @property
-    def needs_target_features(self) -> bool:
-        return bool(getattr(self.fallback, "needs_target_features", False))
-
-    def build(self, target: Any, num_blocks: int, block_size: int) -> CascadeProposer:
+    def build(self, target: Any, kv: KVCacheManager) -> CascadeProposer:
         if self.primary is None or self.fallback is None:
             raise LabError("the cascade proposer needs engine.proposer.primary and engine.proposer.fallback",
                            "use engine/proposer=suffix_eagle, or set both to proposer configs")
         if self.fallback_num_spec_tokens < 0:
             raise LabError(f"engine.proposer.fallback_num_spec_tokens must be >= 0, got {self.fallback_num_spec_tokens}",
                            "use 0 (primary only) to num_spec_tokens")
-        return CascadeProposer(self.primary.build(target, num_blocks, block_size),
-                               self.fallback.build(target, num_blocks, block_size), self.fallback_num_spec_tokens)
+        return CascadeProposer(self.primary.build(target, kv),
+                               self.fallback.build(target, kv), self.fallback_num_spec_tokens)

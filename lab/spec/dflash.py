@@ -27,6 +27,7 @@ import torch
 
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
+from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
@@ -58,11 +59,11 @@ class _ContextKV:
 
 
 class DFlashProposer(FeatureProposer):
-    def __init__(self, target: ModelRunner, drafter: DFlashDrafter, draft_vocab_size: int = 0,
+    def __init__(self, target: ModelRunner, drafter: DFlashDrafter, kv: KVCacheManager, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
                  tree_tails: bool = False, denoise_steps: int = 1) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        super().__init__(target, drafter, kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
         most = drafter.config.max_fill + 1
         if not 1 <= denoise_steps <= most:
             trained = (f"was trained to take at most {most - 1} drafted offsets filled in (its max_fill)" if most > 1
@@ -261,9 +262,8 @@ class DFlashProposerConfig:
     tree_min_prob: float = 0.0
     tree_tails: bool = False
     denoise_steps: int = 1
-    needs_target_features: bool = True
 
-    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DFlashProposer:
+    def build(self, target: ModelRunner, kv: KVCacheManager) -> DFlashProposer:
         if self.lookahead_masks is not None and self.lookahead_masks < 0:
             raise LabError(f"engine.proposer.lookahead_masks must be >= 0 or null, got {self.lookahead_masks}",
                            "set it to 0 (a block of the k drafts alone), 1-2, or null (the trained block)")
@@ -279,6 +279,6 @@ class DFlashProposerConfig:
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
-        return DFlashProposer(target, drafter, self.draft_vocab_size, self.half_weights,
+        return DFlashProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
                               self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps)

@@ -17,6 +17,7 @@ import torch
 
 from lab.errors import LabError
 from lab.kv_cache.block_kv import SeqSlice
+from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
@@ -94,7 +95,7 @@ class DraftModelProposerConfig:
     source: Any = None
     dtype: str | None = None   # None: the target's
 
-    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DraftModelProposer:
+    def build(self, target: ModelRunner, kv: KVCacheManager) -> DraftModelProposer:
         if self.source is None:
             raise LabError("proposer=draft_model needs a draft model", "set engine.proposer.source (e.g. the tiny model)")
         dtype = self.dtype or str(target.dtype).removeprefix("torch.")
@@ -102,7 +103,7 @@ class DraftModelProposerConfig:
         if draft.vocab_size != target.vocab_size:
             raise LabError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})",
                            "use a draft that shares the target's tokenizer")
-        return DraftModelProposer(draft, num_blocks, block_size)
+        return DraftModelProposer(draft, kv.num_blocks, kv.block_size)
 
 
 @dataclass(slots=True)
@@ -111,7 +112,7 @@ class LayerSkipProposerConfig:
 
     num_layers: int = 4
 
-    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> DraftModelProposer:
+    def build(self, target: ModelRunner, kv: KVCacheManager) -> DraftModelProposer:
         from lab.models.early_exit import early_exit_runner
 
-        return DraftModelProposer(early_exit_runner(target, self.num_layers), num_blocks, block_size)
+        return DraftModelProposer(early_exit_runner(target, self.num_layers), kv.num_blocks, kv.block_size)

@@ -23,6 +23,7 @@ import torch
 
 from lab.drafters.eagle import EagleConfig, EagleDrafter
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
+from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
@@ -32,12 +33,13 @@ from lab.spec.tree import ROOT, DraftTree
 
 
 class EagleProposer(FeatureProposer):
-    def __init__(self, target: ModelRunner, drafter: EagleDrafter, num_blocks: int, block_size: int,
+    def __init__(self, target: ModelRunner, drafter: EagleDrafter, target_kv: KVCacheManager,
                  draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None,
                  tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
-        super().__init__(target, drafter, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
-        c = target.config
-        # NOTE: the native paged kernel for the head's few-token steps (as the target's decode), SDPA otherwise.
+        super().__init__(target, drafter, target_kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        c, num_blocks, block_size = target.config, target_kv.num_blocks, target_kv.block_size
+        # NOTE: the head's own KV (one layer), as many blocks as the target's; the native paged kernel for its
+        # few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
                              backend="native")
         self.kv = DraftKV(cache, num_blocks, block_size)
@@ -203,15 +205,14 @@ class EagleProposerConfig:
     always_draft: int = 0
     tree_width: int = 1
     tree_min_prob: float = 0.0
-    needs_target_features: bool = True
 
-    def build(self, target: ModelRunner, num_blocks: int, block_size: int) -> EagleProposer:
+    def build(self, target: ModelRunner, kv: KVCacheManager) -> EagleProposer:
         fresh = None
         if self.checkpoint is None:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
         drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
-        return EagleProposer(target, drafter, num_blocks, block_size, self.draft_vocab_size, self.half_weights,
+        return EagleProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
                              ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width,
                              self.tree_min_prob)

@@ -33,6 +33,7 @@ from torch import nn
 
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint
 from lab.errors import LabError
+from lab.kv_cache.manager import KVCacheManager
 from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -129,7 +130,7 @@ def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[
 
 
 class FeatureProposer:
-    def __init__(self, target: ModelRunner, drafter: nn.Module, draft_vocab_size: int = 0,
+    def __init__(self, target: ModelRunner, drafter: nn.Module, kv: KVCacheManager, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None, tree_width: int = 1,
                  tree_min_prob: float = 0.0) -> None:
         if not 1 <= tree_width <= MAX_TREE_WIDTH:
@@ -147,7 +148,9 @@ class FeatureProposer:
         self.draft_head = draft_head(target, draft_vocab_size, half_weights)
         self.device, self.dtype = target.device, target.dtype
         self.feature_layers = tuple(i % target.config.num_layers for i in drafter.feature_layers)
-        self.store = FeatureStore(len(self.feature_layers) * target.config.hidden_size, target.dtype, target.device)
+        # NOTE: in the target's KV blocks (`kv`: its manager), so prefix-cache hits bring their features along
+        self.store = FeatureStore(kv, len(self.feature_layers) * target.config.hidden_size, target.dtype,
+                                  target.device)
         self.num_forwards = 0
         self.num_unready = 0   # requests not drafted because some of their features were never computed
 
@@ -240,10 +243,11 @@ class FeatureProposer:
         self.store.move(request_id, src, dst)
 
     def free(self, request_id: str) -> None:
-        self.store.free(request_id)
+        pass   # NOTE: the features live in the request's KV blocks, which the engine frees
 
     def reset_history(self) -> None:
         pass   # NOTE: features are per request
 
     def stats(self) -> dict[str, float]:
-        return {"spec/draft_forwards": self.num_forwards, "spec/draft_unready_requests": self.num_unready}
+        return {"spec/draft_forwards": self.num_forwards, "spec/draft_unready_requests": self.num_unready,
+                "spec/feature_store_mb": self.store.nbytes / 2**20}

@@ -1,50 +1,71 @@
-"""FeatureStore: per request, the target's features (hidden states of the drafter's layers) by position.
+"""FeatureStore: the target's features (hidden states of the drafter's layers) in the target's KV blocks.
 
-The engine writes every target forward's features (`write`, at the positions it computed, drafts
-included); only positions below the request's `num_computed_tokens` hold accepted tokens, so
-`num_valid` caps there: rejected drafts' rows are simply overwritten later.
+Paged like the KV cache and indexed by the same block tables: position p of a request lives in row
+`block_table[p // block_size] * block_size + p % block_size` of a (num_blocks * block_size, F) tensor, next to
+that position's keys and values. So a prompt block served from the prefix cache brings the features of its
+tokens along (the forward that computed its KV wrote them), and feature-reading drafters (EAGLE, DFlash) can
+leave prefix caching on, as vLLM keeps EAGLE's draft KV in the target's blocks.
+
+Which rows are valid follows the KV: the engine writes every target forward's features (`write`, at the
+positions it computed, drafts included), so every position below a request's `num_computed_tokens` holds an
+accepted token's features (its own or a shared prefix block's); a rejected draft's row is overwritten when the
+position is computed again, exactly as its KV is. Freeing a request frees nothing here: its blocks go back to
+the pool, features and all.
 """
 
 from __future__ import annotations
 
 import torch
 
+from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 
 
 class FeatureStore:
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.dim, self.dtype, self.device = dim, dtype, device
-        self._rows: dict[str, torch.Tensor] = {}    # request_id -> (capacity, F)
-        self._filled: dict[str, int] = {}           # leading positions written without a gap
+    def __init__(self, kv: KVCacheManager, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kv, self.dim, self.dtype, self.device = kv, dim, dtype, device
+        self.block_size = kv.block_size
+        # NOTE: torch.empty: on CPU the OS maps pages on first write, so unused blocks cost no memory.
+        self.rows = torch.empty(kv.num_blocks * kv.block_size, dim, dtype=dtype, device=device)  # (slots, F)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    def _runs(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Positions start..end-1 as runs of consecutive storage rows: (first row, count) per block touched."""
+        table, bs = self.kv.block_table(request_id), self.block_size
+        runs, position = [], start
+        while position < end:
+            offset = position % bs
+            count = min(bs - offset, end - position)
+            runs.append((table[position // bs] * bs + offset, count))
+            position += count
+        return runs
 
     def write(self, request_id: str, start: int, features: torch.Tensor) -> None:
-        """features (num, F) of positions start..start+num-1."""
-        end = start + features.shape[0]
-        rows = self._rows.get(request_id)
-        if rows is None or rows.shape[0] < end:
-            grown = torch.empty(max(end, 2 * (0 if rows is None else rows.shape[0]), 64), self.dim,
-                                dtype=self.dtype, device=self.device)
-            if rows is not None:
-                grown[:rows.shape[0]] = rows
-            rows = self._rows[request_id] = grown
-        rows[start:end] = features
-        filled = self._filled.get(request_id, 0)
-        if start <= filled:
-            self._filled[request_id] = end
-        # NOTE: a write past a gap (never expected) leaves `filled` where it was: those rows stay unused.
+        """features (num, F) of positions start..start+num-1 (the request holds blocks for them)."""
+        done = 0
+        for row, count in self._runs(request_id, start, start + features.shape[0]):
+            self.rows[row:row + count] = features[done:done + count]
+            done += count
 
     def num_valid(self, request: Request) -> int:
-        return min(self._filled.get(request.request_id, 0), request.num_computed_tokens)
+        """Leading positions whose features are known: those whose KV is (see the module's docstring)."""
+        return request.num_computed_tokens
 
     def read(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        return self._rows[request_id][start:end]                                    # (end - start, F)
+        """Features (end - start, F) of positions start..end-1: a view within one block, else a copy."""
+        runs = self._runs(request_id, start, end)
+        if len(runs) == 1:
+            row, count = runs[0]
+            return self.rows[row:row + count]
+        if not runs:
+            return self.rows[:0]
+        return torch.cat([self.rows[row:row + count] for row, count in runs])
 
     def move(self, request_id: str, src: list[int], dst: list[int]) -> None:
         """Features of positions `src` now belong to positions `dst` (a tree's accepted path, lab/spec/tree.py)."""
-        rows = self._rows[request_id]
-        rows[dst] = rows[src]
-
-    def free(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
-        self._filled.pop(request_id, None)
+        table, bs = self.kv.block_table(request_id), self.block_size
+        slots = [[table[p // bs] * bs + p % bs for p in positions] for positions in (src, dst)]
+        self.rows[slots[1]] = self.rows[slots[0]]

@@ -40,5 +40,5 @@ class NgramProposerConfig:
     short_match_tokens: int | None = None   # matches shorter than long_match_n draft at most this many
     long_match_n: int = 3
 
-    def build(self, target: object, num_blocks: int, block_size: int) -> NgramDraftProposer:
+    def build(self, target: object, kv: object) -> NgramDraftProposer:
         return NgramDraftProposer(self.min_n, self.max_n, self.short_match_tokens, self.long_match_n)

@@ -90,5 +90,7 @@ def pick_draft_tokens(logits: torch.Tensor, params: list[SamplingParams], genera
 class ProposerConfig(Protocol):
     """A conf/engine/proposer/*.yaml target: plain settings in, a Proposer out once the target is known."""
 
-    def build(self, target: "ModelRunner", num_blocks: int, block_size: int) -> Proposer:  # noqa: F821
+    def build(self, target: "ModelRunner", kv: "KVCacheManager") -> Proposer:  # noqa: F821
+        """`kv`: the target's KV cache manager: the block count and size a drafter's own KV mirrors, and the block
+        tables a feature drafter keeps the target's features by (lab/spec/features.py)."""
         ...

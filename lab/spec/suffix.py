@@ -158,6 +158,6 @@ class SuffixProposerConfig:
     global_min_n: int = 1
     max_cached_requests: int = 256
 
-    def build(self, target: object, num_blocks: int, block_size: int) -> SuffixProposer:
+    def build(self, target: object, kv: object) -> SuffixProposer:
         return SuffixProposer(self.max_n, self.min_confidence, self.local_weight, self.global_min_n,
                               self.max_cached_requests)
