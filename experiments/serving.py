@@ -114,6 +114,7 @@ def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path, ro
                 OmegaConf.update(run_cfg, "workload.request_rate", float(rate))
                 result = bench(run_cfg, out_dir / f"{name}_rate{rate}")
                 rows.append({"server": name, "rate": float(rate), **{k: result[k] for k, _ in COLUMNS},
+                             "prefix_hit_rate": result.get("prefix_cache_hit_rate"),
                              "tau": result.get("spec_decode_acceptance_length")})
                 print(format_row(rows[-1]), flush=True)
         finally:
@@ -123,13 +124,15 @@ def sweep_server(cfg: DictConfig, name: str, spec: DictConfig, out_dir: Path, ro
 def format_row(row: dict[str, Any]) -> str:
     rate = "inf" if math.isinf(row["rate"]) else f"{row['rate']:g}"
     cells = [row["server"], rate] + [f"{row[k]:.1f}" if isinstance(row[k], float) else str(row[k]) for k, _ in COLUMNS]
-    tau = row.get("tau")   # the server's acceptance length over the run (speculating servers only)
-    return "| " + " | ".join(cells + ["-" if tau is None else f"{tau:.2f}"]) + " |"
+    hits = row.get("prefix_hit_rate")   # the server's prefix-cache hit rate over the run (paged KV caches only)
+    tau = row.get("tau")                 # the server's acceptance length over the run (speculating servers only)
+    return "| " + " | ".join(cells + ["-" if hits is None else f"{100 * hits:.1f}",
+                                      "-" if tau is None else f"{tau:.2f}"]) + " |"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = "| server | rate (req/s) | " + " | ".join(label for _, label in COLUMNS) + " | tau |"
-    return "\n".join([header, "|" + "---|" * (len(COLUMNS) + 3), *(format_row(r) for r in rows)])
+    header = "| server | rate (req/s) | " + " | ".join(label for _, label in COLUMNS) + " | prefix hit % | tau |"
+    return "\n".join([header, "|" + "---|" * (len(COLUMNS) + 4), *(format_row(r) for r in rows)])
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

@@ -78,6 +78,8 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
             ("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"]),
             ("Peak concurrent requests:", result["max_concurrent_requests"]),
             ("Total token throughput (tok/s):", result["total_token_throughput"])]
+    if "prefix_cache_hit_rate" in result:   # NOTE: from the server's /metrics, where it exports them
+        rows.append(("Prefix cache hit rate (%):", 100.0 * result["prefix_cache_hit_rate"]))
     print("{:=^50}".format(" Serving Benchmark Result "))
     for label, value in rows:
         print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
@@ -118,7 +120,8 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
         "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
         **calculate(outputs, duration, tokenizer, tuple(percentiles), slo),
-        **(measured.spec.summary() if measured.spec is not None else {})}
+        **(measured.spec.summary() if measured.spec is not None else {}),
+        **(measured.prefix_cache.summary() if measured.prefix_cache is not None else {})}
     if cfg.save_detailed:
         result.update(detailed(outputs, tokenizer))
     errors = [o.error for o in outputs if not o.success]

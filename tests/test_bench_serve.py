@@ -18,10 +18,11 @@ from omegaconf import DictConfig
 
 from lab.bench.client import BenchRequest, StreamOutput
 from lab.bench.driver import Target, benchmark
-from lab.bench.server_metrics import parse_spec_counters
+from lab.bench.server_metrics import ServerCounters, parse_server_counters, parse_spec_counters
 from lab.bench.metrics import calculate, peak_concurrency
 from lab.bench_serve import bench
 from lab.engines.ar import AREngine
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
@@ -93,6 +94,19 @@ def test_end_to_end_counts_tokens_and_times_every_chunk(server_url: str) -> None
     result = calculate(outputs, duration)
     assert result["max_concurrent_requests"] <= 2, "closed loop exceeded max_concurrency"
     assert result["total_output_tokens"] == sum(n for _, n in lengths)
+
+
+def test_the_servers_prefix_cache_hits_are_read_over_the_measured_requests(server_url: str) -> None:
+    """cb_paged exports vLLM's prefix_cache_queries / _hits counters; the run's window counts the measured
+    requests' prompt tokens, and a prompt seen before (the warm-up copies the first request) is served from the
+    cache but for its last block's worth."""
+    prompt = [300 + j for j in range(40)]
+    requests = [BenchRequest(prompt, 40, 2), BenchRequest([400 + j for j in range(24)], 24, 2)]
+    run = asyncio.run(benchmark(Target(server_url), requests, [0.0, 0.0], max_concurrency=1, num_warmups=1,
+                                ready_timeout_s=10))
+    assert run.prefix_cache is not None and run.prefix_cache.queries == 64, run.prefix_cache
+    assert 24 <= run.prefix_cache.hits < 40, "the first prompt's full blocks but never its last token"
+    assert run.prefix_cache.summary()["prefix_cache_hit_rate"] == run.prefix_cache.hits / 64
 
 
 def test_warmups_can_stop_after_a_few_tokens(server_url: str) -> None:
@@ -170,6 +184,18 @@ def test_spec_counters_are_read_from_any_servers_prometheus_text() -> None:
     assert parse_spec_counters(VLLM_EXPOSITION.replace("vllm:", "lab:")) == counts
     assert parse_spec_counters('vllm:num_requests_running{model_name="m"} 0.0\n') is None, "no speculation"
     assert parse_spec_counters("<html>not found</html>") is None
+    prefix = ('# TYPE vllm:prefix_cache_queries_total counter\n'
+              'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0\n'
+              'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 60.0\n'
+              '# TYPE vllm:prefix_cache_hits_total counter\n'
+              'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0\n')
+    both = parse_server_counters(VLLM_EXPOSITION + prefix)
+    assert both == ServerCounters(counts, PrefixCacheCounters(160, 40))
+    assert parse_server_counters(prefix).spec is None and parse_server_counters(VLLM_EXPOSITION).prefix_cache is None
+    window = both - ServerCounters(SpecCounters(5, 10, 8, (4, 3, 1)), PrefixCacheCounters(60, 0))
+    assert window.prefix_cache.summary() == {"prefix_cache_queries": 100, "prefix_cache_hits": 40,
+                                             "prefix_cache_hit_rate": 0.4}
+    assert (both - ServerCounters()).spec is None, "a family missing from either snapshot has no window"
     window = counts - SpecCounters(5, 10, 8, (4, 3, 1))
     assert window.summary() == {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 20,
                                 "spec_decode_num_accepted_tokens": 10, "spec_decode_acceptance_rate": 50.0,

@@ -15,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lab.engines.ar import AREngine
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
@@ -46,18 +47,20 @@ def test_least_outstanding_picks_the_idlest_replica_and_breaks_ties_round_robin(
     assert [router.pick().index for _ in range(3)] == [2, 0, 1]
 
 
-def test_router_stats_add_up_the_replicas_spec_counters() -> None:
+def test_router_stats_add_up_the_replicas_spec_and_prefix_cache_counters() -> None:
     """/metrics behind replicas: the router's stats sum every replica's, speculative counts position by position
-    (a replica that does not speculate adds nothing)."""
+    (a replica that does not speculate, or has no prefix cache, adds nothing)."""
     router = ReplicaRouter(EngineFactory({}), 3, "round_robin", pin_cpus=False)
-    router.replicas[0]._stats = EngineStats(num_running=1, kv_used_bytes=10, spec=SpecCounters(4, 8, 5, (3, 2)))
+    router.replicas[0]._stats = EngineStats(num_running=1, kv_used_bytes=10, spec=SpecCounters(4, 8, 5, (3, 2)),
+                                            prefix_cache=PrefixCacheCounters(100, 30))
     router.replicas[1]._stats = EngineStats(num_running=2, kv_used_bytes=5, spec=SpecCounters(2, 4, 1, (1, 0)))
-    router.replicas[2]._stats = EngineStats(num_running=1)
+    router.replicas[2]._stats = EngineStats(num_running=1, prefix_cache=PrefixCacheCounters(50, 10))
     total = router.stats()
     assert (total.num_running, total.kv_used_bytes) == (4, 15)
     assert total.spec == SpecCounters(6, 12, 6, (4, 2))
-    router.replicas[0]._stats = router.replicas[1]._stats = EngineStats()
-    assert router.stats().spec is None
+    assert total.prefix_cache == PrefixCacheCounters(150, 40)
+    router.replicas[0]._stats = router.replicas[1]._stats = router.replicas[2]._stats = EngineStats()
+    assert router.stats().spec is None and router.stats().prefix_cache is None
 
 
 @pytest.fixture(scope="module")

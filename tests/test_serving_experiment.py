@@ -19,6 +19,7 @@ def test_a_failing_server_does_not_sink_the_serving_sweep(tmp_path: Path) -> Non
     rows = {row["server"]: row for row in saved["rows"]}
     assert set(rows) == {"no_spec", "suffix"} and all(row["completed"] == 2 for row in rows.values())
     assert rows["no_spec"]["tau"] is None and rows["suffix"]["tau"] >= 1.0, "tau only where the server speculates"
+    assert all(0.0 <= row["prefix_hit_rate"] <= 1.0 for row in rows.values()), "both run on the paged KV cache"
     assert list(saved["failed_servers"]) == ["dflash"] and "server exited" in saved["failed_servers"]["dflash"]
     assert "trained for target" in (tmp_path / "dflash_rateinf.server.log").read_text()
     assert (tmp_path / "serving.png").exists() and "| suffix | inf |" in (tmp_path / "table.md").read_text()

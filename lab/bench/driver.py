@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 
 from lab.bench.client import Api, BenchRequest, StreamOutput, build_payload, send
-from lab.bench.server_metrics import read_spec_counters
+from lab.bench.server_metrics import read_server_counters
 from lab.errors import LabError
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.spec.counters import SpecCounters
 
 
@@ -49,6 +50,7 @@ class BenchmarkRun:
     duration: float                       # first send to last answer (s)
     model: str                            # the model the requests named
     spec: SpecCounters | None = None      # the server's speculative-decoding counts over the measured requests
+    prefix_cache: PrefixCacheCounters | None = None   # ... and its prefix-cache lookups, where it exports them
 
 
 async def wait_ready(session: aiohttp.ClientSession, target: Target, timeout_s: float) -> str:
@@ -103,8 +105,8 @@ async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[
                     max_concurrency: int | None = None, num_warmups: int = 0,
                     ready_timeout_s: float = 120.0, warmup_max_tokens: int | None = None) -> BenchmarkRun:
     """One ready check, a probe (the first request), `num_warmups` unmeasured requests (copies of the first
-    ones, as vLLM's), then the run; the server's speculative-decoding counters are read before and after the
-    measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups generate at most
+    ones, as vLLM's), then the run; the server's speculative-decoding and prefix-cache counters are read before
+    and after the measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups generate at most
     that many tokens (None: their request's own length), so a server that learns from what it serves
     (suffix decoding's history) is not handed the measured answers in advance."""
     unmeasured = [request if warmup_max_tokens is None
@@ -122,7 +124,8 @@ async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[
         if num_warmups:
             warmups = [unmeasured[i % len(unmeasured)] for i in range(num_warmups)]
             await run_requests(session, target, model, warmups, [0.0] * num_warmups, max_concurrency)
-        before = await read_spec_counters(session, target.prometheus_url)
+        before = await read_server_counters(session, target.prometheus_url)
         outputs, duration = await run_requests(session, target, model, requests, offsets, max_concurrency)
-        after = await read_spec_counters(session, target.prometheus_url) if before is not None else None
-    return BenchmarkRun(outputs, duration, model, after - before if after is not None else None)
+        after = await read_server_counters(session, target.prometheus_url)
+    window = after - before
+    return BenchmarkRun(outputs, duration, model, window.spec, window.prefix_cache)

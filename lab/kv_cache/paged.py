@@ -20,6 +20,7 @@ import torch
 
 from lab.errors import LabError
 from lab.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.kv_cache.manager import NO_PREFIX, CachedPrefix
 from lab.request import Request
 
@@ -124,6 +125,10 @@ class PagedKVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        """Cumulative since the manager was built (what a server exports as vLLM's `prefix_cache_*` counters)."""
+        return PrefixCacheCounters(self.num_query_tokens, self.num_hit_tokens)
 
     def stats(self) -> dict[str, float]:
         return {"kv/num_blocks": self.num_blocks, "kv/block_size": self.block_size,

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from lab.engines.base import Engine
 from lab.errors import LabError
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.request import Request, RequestStatus
 from lab.spec.counters import SpecCounters
 
@@ -53,6 +54,7 @@ class EngineStats:
     kv_used_bytes: int = 0
     num_steps: int = 0
     spec: SpecCounters | None = None   # a speculative engine's cumulative draft / acceptance counts; else None
+    prefix_cache: PrefixCacheCounters | None = None   # a paged KV cache's cumulative prefix lookups; else None
 
 
 @dataclass(slots=True)
@@ -185,10 +187,13 @@ class EngineLoop:
         num_engine_waiting = self._num_engine_waiting()
         reserved, used = self.engine.kv_usage()
         spec_counters = getattr(self.engine, "spec_counters", None)   # NOTE: speculative engines only
+        # NOTE: engines on the paged KV cache only (cb_paged, speculative, ...)
+        prefix_counters = getattr(getattr(self.engine, "kv_manager", None), "prefix_cache_counters", None)
         self.stats = EngineStats(num_running=max(0, len(self.tracked) - num_engine_waiting),
                                  num_waiting=num_engine_waiting + self.inbox.qsize(), kv_reserved_bytes=reserved,
                                  kv_used_bytes=used, num_steps=self.stats.num_steps + 1,
-                                 spec=spec_counters() if spec_counters is not None else None)
+                                 spec=spec_counters() if spec_counters is not None else None,
+                                 prefix_cache=prefix_counters() if prefix_counters is not None else None)
 
     def run(self) -> None:
         """Serve commands until a Shutdown: drain what is in flight first, or abort it and stop at once."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.serve.engine_loop import EngineStats
 from lab.spec.counters import SpecCounters
 
@@ -44,6 +45,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("lab:generation_tokens", "Generated tokens.", labels, registry=r)
         self.model_name = model_name
         self.spec: SpecMetrics | None = None   # registered once the engine reports speculative counts
+        self.prefix_cache: PrefixCacheMetrics | None = None   # ... prefix-cache counts (a paged KV cache)
 
     def observe_finished(self, finish_reason: str, arrival: float, token_times: list[float]) -> None:
         m = self.model_name
@@ -69,7 +71,33 @@ class ServerMetrics:
             if self.spec is None:
                 self.spec = SpecMetrics(self.registry)
             self.spec.update(m, stats.spec)
+        if stats.prefix_cache is not None:
+            if self.prefix_cache is None:
+                self.prefix_cache = PrefixCacheMetrics(self.registry)
+            self.prefix_cache.update(m, stats.prefix_cache)
         return generate_latest(self.registry)
+
+
+class PrefixCacheMetrics:
+    """vLLM v1's prefix-cache counters, in tokens: `lab:prefix_cache_queries_total` (prompt tokens looked up at
+    admission) and `lab:prefix_cache_hits_total` (of those, served from the cache). Each scrape adds what the
+    engine's cumulative counts grew by since the last one."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model_name"]
+        self.queries = Counter("lab:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.",
+                               labels, registry=registry)
+        self.hits = Counter("lab:prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache.",
+                            labels, registry=registry)
+        self.last = PrefixCacheCounters()
+
+    def update(self, model_name: str, counts: PrefixCacheCounters) -> None:
+        grown = counts - self.last
+        if min(grown.queries, grown.hits) < 0:
+            grown = counts   # NOTE: a new engine's counts (they only grow otherwise): all of them are new
+        self.queries.labels(model_name).inc(grown.queries)
+        self.hits.labels(model_name).inc(grown.hits)
+        self.last = counts
 
 
 class SpecMetrics:

@@ -207,6 +207,8 @@ class ReplicaRouter:
             total.num_steps += s.num_steps
             if s.spec is not None:
                 total.spec = s.spec if total.spec is None else total.spec + s.spec
+            if s.prefix_cache is not None:
+                total.prefix_cache = s.prefix_cache if total.prefix_cache is None else total.prefix_cache + s.prefix_cache
         return total
 
     def replica_loads(self) -> list[int]:
