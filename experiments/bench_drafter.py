@@ -47,7 +47,7 @@ def _advance(proposer: FeatureProposer, request: Request, features: torch.Tensor
         request.output_token_ids.append(100 + request.num_tokens % 200)
     start, end = request.num_computed_tokens, request.num_tokens - 1
     proposer.store.kv.allocate_slots(request, request.num_tokens - start)
-    proposer.store.write(request.request_id, start, features[start:end])              # NOTE: only the new rows, as the engine does
+    proposer.store.write(request.request_id, start, features[start:end])   # NOTE: only the new rows, as the engine does
     request.num_computed_tokens = end
 
 

@@ -443,7 +443,8 @@ def test_dflash_drafting_a_block_cut_to_the_verified_drafts_is_lossless(trained:
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
     assert set(blocks) == {3} and engine.stats()["spec_decode_num_accepted_tokens"] > 0
     with pytest.raises(LabError, match="lookahead_masks must be >= 0"):
-        DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=-1).build(tiny_runner, PagedKVCacheManager(64, 4))
+        DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), lookahead_masks=-1).build(
+            tiny_runner, PagedKVCacheManager(64, 4))
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])

@@ -211,7 +211,8 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
         with pytest.raises(LabError, match="tree_width must be 1"):
             EagleProposerConfig(checkpoint=None, tree_width=width).build(tiny_runner, PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="tree_min_prob must be in"):
-        DFlashProposerConfig(checkpoint=None, tree_width=2, tree_min_prob=1.5).build(tiny_runner, PagedKVCacheManager(64, 4))
+        DFlashProposerConfig(checkpoint=None, tree_width=2, tree_min_prob=1.5).build(tiny_runner,
+                                                                                    PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="more than a verify step's tree holds"):   # a beam of 8 x 8 drafts
         SpeculativeEngine(tiny_runner, EagleProposerConfig(checkpoint=None, tree_width=8), num_spec_tokens=8,
                           kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=64, kv_cache_memory_mb=None))

@@ -106,9 +106,9 @@ async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[
                     ready_timeout_s: float = 120.0, warmup_max_tokens: int | None = None) -> BenchmarkRun:
     """One ready check, a probe (the first request), `num_warmups` unmeasured requests (copies of the first
     ones, as vLLM's), then the run; the server's speculative-decoding and prefix-cache counters are read before
-    and after the measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups generate at most
-    that many tokens (None: their request's own length), so a server that learns from what it serves
-    (suffix decoding's history) is not handed the measured answers in advance."""
+    and after the measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups
+    generate at most that many tokens (None: their request's own length), so a server that learns from what it
+    serves (suffix decoding's history) is not handed the measured answers in advance."""
     unmeasured = [request if warmup_max_tokens is None
                   else dataclasses.replace(request, output_len=min(request.output_len, warmup_max_tokens))
                   for request in requests[:max(1, num_warmups)]]

@@ -20,6 +20,7 @@ from typing import Any
 
 from lab.engines.base import Engine
 from lab.errors import LabError
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.request import Request
 from lab.serve.engine_loop import AbortRequest, AddRequest, EngineLoop, EngineStats, RequestOutput, Shutdown, Sinks
 
@@ -208,7 +209,7 @@ class ReplicaRouter:
             if s.spec is not None:
                 total.spec = s.spec if total.spec is None else total.spec + s.spec
             if s.prefix_cache is not None:
-                total.prefix_cache = s.prefix_cache if total.prefix_cache is None else total.prefix_cache + s.prefix_cache
+                total.prefix_cache = s.prefix_cache + (total.prefix_cache or PrefixCacheCounters())
         return total
 
     def replica_loads(self) -> list[int]:
