@@ -392,6 +392,29 @@ def test_untrained_drafters_are_lossless_with_prefix_caching_on(tiny_runner: Mod
         assert engine.kv_manager.num_hit_tokens > 0
 
 
+def test_the_kv_budget_pays_for_the_features_kept_beside_the_kv(tiny_runner: ModelRunner, trained: dict) -> None:
+    """The features live in the KV blocks, so kv_cache_memory_mb buys fewer blocks with a drafter that reads them:
+    F values more per token (EAGLE: the last layer's; DFlash: each layer it reads; a cascade: its fallback's)."""
+    budget = PagedKVCacheConfig(block_size=4, num_blocks=None, kv_cache_memory_mb=0.5)
+    plain = SpeculativeEngine(tiny_runner, SuffixProposerConfig(), kv_cache=budget)
+    hidden, kv_bytes = tiny_runner.config.hidden_size, plain.kv_bytes_per_token
+    assert plain.feature_bytes_per_token == 0
+    configs = [(EagleProposerConfig(checkpoint=None), 1),
+               (DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4, "feature_layers": [0, 1, -1]}), 3),
+               (_proposer("dflash", trained["dflash"][0]), len(load_drafter(trained["dflash"][0], "dflash",
+                                                                              tiny_runner.model).feature_layers)),
+               (CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=None)), 1)]
+    for config, num_layers in configs:
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=budget)
+        per_token = kv_bytes + num_layers * hidden * 4
+        assert engine.kv_bytes_per_token == per_token, config
+        assert engine.kv_manager.num_blocks == int(0.5 * 2**20 // (per_token * 4)) < plain.kv_manager.num_blocks
+        store = getattr(engine.proposer, "fallback", engine.proposer).store
+        assert store.dim == num_layers * hidden and store.rows.shape[0] == engine.kv_manager.num_blocks * 4
+    with pytest.raises(LabError, match="holds a eagle drafter"):
+        SpeculativeEngine(tiny_runner, _proposer("dflash", trained["eagle"][0]), kv_cache=budget)
+
+
 def test_dflash_block_inputs_tell_the_offsets_apart(tiny_runner: ModelRunner) -> None:
     """A shared mask gives every drafted offset the same input vector; one mask per offset does not; input fusion
     starts every position from a projection of [first token, features before the block]. Shared-mask drafters

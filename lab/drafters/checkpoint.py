@@ -66,6 +66,19 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
+def read_drafter_config(path: str | Path, kind: str) -> dict[str, Any]:
+    """The drafter settings a checkpoint was trained with; refuses a drafter of another kind."""
+    ckpt = read_checkpoint(path)
+    _check_kind(ckpt, path, kind)
+    return ckpt["config"]
+
+
+def _check_kind(ckpt: dict[str, Any], path: str | Path, kind: str) -> None:
+    if ckpt["kind"] != kind:
+        raise LabError(f"{path} holds a {ckpt['kind']} drafter, not {kind}",
+                       f"point engine.proposer.checkpoint at a {kind} checkpoint")
+
+
 def load_drafter(path: str | Path, kind: str, target: DecoderModel, hf_config: object | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
     """Build the drafter the checkpoint describes, for `target`; refuses a drafter of another kind or target."""
@@ -73,9 +86,7 @@ def load_drafter(path: str | Path, kind: str, target: DecoderModel, hf_config: o
     from lab.drafters.eagle import EagleConfig, EagleDrafter
 
     ckpt = read_checkpoint(path)
-    if ckpt["kind"] != kind:
-        raise LabError(f"{path} holds a {ckpt['kind']} drafter, not {kind}",
-                       f"point engine.proposer.checkpoint at a {kind} checkpoint")
+    _check_kind(ckpt, path, kind)
     expected = target_fingerprint(target)
     if ckpt["target"] != expected:
         raise LabError(f"{path} was trained for target {ckpt['target']}, but this target is {expected}",

@@ -45,8 +45,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  speedup_baseline: str = "engine") -> None:
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
-        # (lab/spec/features.py), so a cached prompt block brings its features along.
+        # (lab/spec/features.py), so a cached prompt block brings its features along; the KV memory budget pays
+        # for them (kv_bytes_per_token).
         kv_cache = kv_cache or PagedKVCacheConfig()
+        feature_width = getattr(proposer, "feature_width", None)   # NOTE: proposers that read target features
+        self.feature_bytes_per_token = feature_width(runner) * runner.dtype.itemsize if feature_width else 0
         super().__init__(runner, scheduler, kv_cache, name or "speculative", seed, cuda_graphs)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if speedup_rounds < 1:
@@ -79,6 +82,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
         self._reset_spec_counters()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys + values of one token over all layers, and the target features a drafter reads, kept beside them."""
+        return super().kv_bytes_per_token + self.feature_bytes_per_token
 
     def without_speculation(self) -> "SpeculativeEngine":
         """The same engine with speculation off (num_spec_tokens=0): the baseline for speedups."""

@@ -83,6 +83,11 @@ class CascadeProposerConfig:
     fallback: Any = None
     fallback_num_spec_tokens: int = 2
 
+    def feature_width(self, target: Any) -> int:
+        """The fallback's target features (the primary reads none), kept beside the KV."""
+        width = getattr(self.fallback, "feature_width", None)
+        return width(target) if width is not None else 0
+
     def build(self, target: Any, kv: KVCacheManager) -> CascadeProposer:
         if self.primary is None or self.fallback is None:
             raise LabError("the cascade proposer needs engine.proposer.primary and engine.proposer.fallback",

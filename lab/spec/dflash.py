@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lab.drafters.checkpoint import read_drafter_config, resolve_checkpoint
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
@@ -263,18 +264,29 @@ class DFlashProposerConfig:
     tree_tails: bool = False
     denoise_steps: int = 1
 
+    def _drafter_config(self) -> DFlashConfig:
+        """The drafter's settings: the checkpoint's, or `drafter` for a random-init one (checkpoint None)."""
+        if self.checkpoint is not None:
+            return DFlashConfig(**read_drafter_config(resolve_checkpoint(self.checkpoint), "dflash"))
+        try:
+            return DFlashConfig(**dict(self.drafter))
+        except TypeError as exc:
+            raise LabError(f"engine.proposer.drafter has an unknown key ({exc})",
+                           "use block_size, num_layers, feature_layers, intermediate_size, fuse_last_context, "
+                           "mask_per_position, input_fusion, max_fill") from exc
+
+    def feature_width(self, target: ModelRunner) -> int:
+        """F: values of a token's target features (every layer the drafter reads), kept beside its KV."""
+        layers = self._drafter_config().resolved(target.config.num_layers).feature_layers
+        return len(layers) * target.config.hidden_size
+
     def build(self, target: ModelRunner, kv: KVCacheManager) -> DFlashProposer:
         if self.lookahead_masks is not None and self.lookahead_masks < 0:
             raise LabError(f"engine.proposer.lookahead_masks must be >= 0 or null, got {self.lookahead_masks}",
                            "set it to 0 (a block of the k drafts alone), 1-2, or null (the trained block)")
         fresh = None
         if self.checkpoint is None:
-            try:
-                config = DFlashConfig(**dict(self.drafter))
-            except TypeError as exc:
-                raise LabError(f"engine.proposer.drafter has an unknown key ({exc})",
-                               "use block_size, num_layers, feature_layers, intermediate_size, fuse_last_context, "
-                               "mask_per_position, input_fusion, max_fill") from exc
+            config = self._drafter_config()
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)

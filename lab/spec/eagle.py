@@ -206,6 +206,10 @@ class EagleProposerConfig:
     tree_width: int = 1
     tree_min_prob: float = 0.0
 
+    def feature_width(self, target: ModelRunner) -> int:
+        """F: values of a token's target features (the last layer's hidden state), kept beside its KV."""
+        return target.config.hidden_size
+
     def build(self, target: ModelRunner, kv: KVCacheManager) -> EagleProposer:
         fresh = None
         if self.checkpoint is None:
