@@ -249,6 +249,23 @@ def test_prefix_cache_hits_bring_their_features_along(trained: dict, kind: str, 
         torch.testing.assert_close(features, first_features[False][request_id], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_preemption_with_prefix_caching_stays_lossless(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    """Too few blocks for four requests: some are preempted (their blocks, features included, go back to the pool)
+    and recomputed, partly from prefix hits on blocks they published before; the drafter's own state (EAGLE's draft
+    KV, DFlash's projected context) survives, and the output is still `ar`'s."""
+    common = _prompts(16, seed=3)[12]
+    prompts = [common, common + [7, 8], _prompts(16, seed=3)[9], common[:10] + [5]]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                               kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=24, kv_cache_memory_mb=None))
+    result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected
+    assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.num_hit_tokens > 0
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def _record_drafts(engine: SpeculativeEngine) -> list:
     """Every Draft the engine's proposer returns from now on, in order (the list fills as the engine runs)."""
     drafts: list = []
