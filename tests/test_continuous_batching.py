@@ -175,6 +175,10 @@ def test_identical_long_prompts_share_blocks_and_match_unshared_outputs(tiny_run
         outputs[caching] = [r.output_token_ids for r in requests]
         if caching:
             assert engine.stats()["kv/prefix_cache_hit_tokens"] == 40, "45-token prompt: 5 full blocks of 8 reused"
+            engine.reset_stats()   # NOTE: as after warm-ups: the figures count from here
+            engine.run(make_requests([prompt], 2, ignore_eos=True))
+            stats = engine.stats()
+            assert (stats["kv/prefix_cache_query_tokens"], stats["kv/prefix_cache_hit_tokens"]) == (45, 40)
         assert_nothing_held(engine)
     assert max_ref_cnt == {True: 2, False: 1}, f"max block ref counts {max_ref_cnt}"
     assert outputs[True] == outputs[False]

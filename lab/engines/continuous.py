@@ -23,6 +23,7 @@ import torch
 from lab.engines.base import Engine
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig, SeqSlice
+from lab.kv_cache.counters import PrefixCacheCounters
 from lab.profiling.ranges import profile_range
 from lab.request import Request
 from lab.runner import ModelRunner
@@ -69,6 +70,11 @@ class ContinuousBatchingEngine(Engine):
         self.scheduler.reset_stats()
         if self.decode_graphs is not None:
             self.decode_graphs.reset_stats()
+        self._prefix_cache_at_reset = self._prefix_cache_counters()
+
+    def _prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        counters = getattr(self.kv_manager, "prefix_cache_counters", None)   # NOTE: the paged KV cache only
+        return counters() if counters is not None else None
 
     # -- Engine interface --------------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -198,7 +204,13 @@ class ContinuousBatchingEngine(Engine):
 
     def stats(self) -> dict[str, float]:
         graphs = self.decode_graphs.stats() if self.decode_graphs is not None else {}
-        return {**super().stats(), **self.scheduler.stats(), **self.kv_manager.stats(), **graphs,
+        prefix = {}
+        now = self._prefix_cache_counters()
+        if now is not None:   # NOTE: since reset_stats, so a run's figures leave its warm-ups' lookups out
+            window = now - self._prefix_cache_at_reset
+            prefix = {"kv/prefix_cache_query_tokens": window.queries, "kv/prefix_cache_hit_tokens": window.hits,
+                      "kv/prefix_cache_hit_rate": window.summary()["prefix_cache_hit_rate"]}
+        return {**super().stats(), **self.scheduler.stats(), **self.kv_manager.stats(), **prefix, **graphs,
                 "sched/num_steps": self.num_steps,
                 "sched/mean_scheduled_tokens": self.num_scheduled_tokens / max(1, self.num_steps),
                 "kv/pool_bytes": self.kv_cache.num_bytes,

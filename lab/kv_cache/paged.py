@@ -131,10 +131,9 @@ class PagedKVCacheManager:
         return PrefixCacheCounters(self.num_query_tokens, self.num_hit_tokens)
 
     def stats(self) -> dict[str, float]:
+        # NOTE: the prefix-cache counts are cumulative (prefix_cache_counters); the engine reports them per window
         return {"kv/num_blocks": self.num_blocks, "kv/block_size": self.block_size,
-                "kv/num_held_blocks": self.num_held_blocks, "kv/prefix_cache_query_tokens": self.num_query_tokens,
-                "kv/prefix_cache_hit_tokens": self.num_hit_tokens,
-                "kv/prefix_cache_hit_rate": self.num_hit_tokens / max(1, self.num_query_tokens)}
+                "kv/num_held_blocks": self.num_held_blocks}
 
 
 @dataclass(slots=True)

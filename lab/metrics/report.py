@@ -45,6 +45,8 @@ def format_table(results: dict[str, Any]) -> str:
         rows.append((f"{title} mean / median / p99 (ms)",
                      f"{results[f'mean_{name}_ms']:.2f} / {results[f'median_{name}_ms']:.2f} / "
                      f"{results[f'p99_{name}_ms']:.2f}"))
+    if "kv/prefix_cache_hit_rate" in results:   # NOTE: engines on the paged KV cache
+        rows.append(("Prefix cache hit rate (%)", f"{100 * results['kv/prefix_cache_hit_rate']:.1f}"))
     rows.append(("Peak memory, CPU RSS (MB)", f"{results['peak_memory_mb']:.0f}"))
     for key in ("peak_mem_allocated_mb", "peak_mem_reserved_mb"):
         if key in results:
