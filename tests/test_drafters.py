@@ -29,6 +29,7 @@ from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
 from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.suffix import SuffixProposerConfig
@@ -409,25 +410,32 @@ def test_untrained_drafters_are_lossless_with_prefix_caching_on(tiny_runner: Mod
         assert engine.kv_manager.num_hit_tokens > 0
 
 
-def test_the_kv_budget_pays_for_the_features_kept_beside_the_kv(tiny_runner: ModelRunner, trained: dict) -> None:
-    """The features live in the KV blocks, so kv_cache_memory_mb buys fewer blocks with a drafter that reads them:
-    F values more per token (EAGLE: the last layer's; DFlash: each layer it reads; a cascade: its fallback's)."""
+def test_the_kv_budget_pays_for_what_a_proposer_keeps_beside_the_kv(tiny_runner: ModelRunner, trained: dict) -> None:
+    """kv_cache_memory_mb buys fewer blocks with a proposer that keeps state per KV slot: the target features a
+    drafter reads (EAGLE: the last layer's; DFlash: each layer it reads) and a drafter's own paged KV (EAGLE's head:
+    one layer; layerskip: its layers; draft_model: the draft's); a cascade pays for both its proposers."""
     budget = PagedKVCacheConfig(block_size=4, num_blocks=None, kv_cache_memory_mb=0.5)
     plain = SpeculativeEngine(tiny_runner, SuffixProposerConfig(), kv_cache=budget)
-    hidden, kv_bytes = tiny_runner.config.hidden_size, plain.kv_bytes_per_token
-    assert plain.feature_bytes_per_token == 0
-    configs = [(EagleProposerConfig(checkpoint=None), 1),
-               (DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4, "feature_layers": [0, 1, -1]}), 3),
-               (_proposer("dflash", trained["dflash"][0]), len(load_drafter(trained["dflash"][0], "dflash",
-                                                                              tiny_runner.model).feature_layers)),
-               (CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=None)), 1)]
-    for config, num_layers in configs:
+    c, kv_bytes = tiny_runner.config, plain.kv_bytes_per_token
+    hidden, layer_kv = c.hidden_size * 4, 2 * c.num_kv_heads * c.head_dim * 4   # fp32 bytes
+    assert plain.proposer_bytes_per_token == 0 and kv_bytes == c.num_layers * layer_kv
+    trained_layers = len(load_drafter(trained["dflash"][0], "dflash", tiny_runner.model).feature_layers)
+    cascade = CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=None))
+    configs = [(EagleProposerConfig(checkpoint=None), hidden + layer_kv, 1),
+               (DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4, "feature_layers": [0, 1, -1]}),
+                3 * hidden, 3),
+               (_proposer("dflash", trained["dflash"][0]), trained_layers * hidden, trained_layers),
+               (cascade, hidden + layer_kv, 1),
+               (LayerSkipProposerConfig(num_layers=1), layer_kv, 0),
+               (DraftModelProposerConfig(source=tiny_runner.source), kv_bytes, 0)]
+    for config, extra, num_feature_layers in configs:
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=budget)
-        per_token = kv_bytes + num_layers * hidden * 4
-        assert engine.kv_bytes_per_token == per_token, config
-        assert engine.kv_manager.num_blocks == int(0.5 * 2**20 // (per_token * 4)) < plain.kv_manager.num_blocks
-        store = getattr(engine.proposer, "fallback", engine.proposer).store
-        assert store.dim == num_layers * hidden and store.rows.shape[0] == engine.kv_manager.num_blocks * 4
+        assert engine.kv_bytes_per_token == kv_bytes + extra, config
+        num_blocks = engine.kv_manager.num_blocks
+        assert num_blocks == int(0.5 * 2**20 // ((kv_bytes + extra) * 4)) < plain.kv_manager.num_blocks
+        if num_feature_layers:
+            store = getattr(engine.proposer, "fallback", engine.proposer).store
+            assert store.dim * 4 == num_feature_layers * hidden and store.rows.shape[0] == num_blocks * 4
     with pytest.raises(LabError, match="holds a eagle drafter"):
         SpeculativeEngine(tiny_runner, _proposer("dflash", trained["eagle"][0]), kv_cache=budget)
 

@@ -48,8 +48,7 @@ class Engine(ABC):
     @property
     def kv_bytes_per_token(self) -> int:
         """Keys + values of one token over all layers."""
-        c = self.runner.config
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.runner.dtype.itemsize
+        return self.runner.config.kv_bytes_per_token(self.runner.dtype.itemsize)
 
     def kv_usage(self) -> tuple[int, int]:
         """(bytes reserved for KV, bytes holding live tokens) right now; engines with a cache override."""

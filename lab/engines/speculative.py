@@ -45,11 +45,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  speedup_baseline: str = "engine") -> None:
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
-        # (lab/spec/features.py), so a cached prompt block brings its features along; the KV memory budget pays
-        # for them (kv_bytes_per_token).
+        # (lab/spec/features.py), so a cached prompt block brings its features along. The KV memory budget pays
+        # for what a proposer keeps per KV slot (features, a drafter's own KV), as vLLM's pays for draft layers.
         kv_cache = kv_cache or PagedKVCacheConfig()
-        feature_width = getattr(proposer, "feature_width", None)   # NOTE: proposers that read target features
-        self.feature_bytes_per_token = feature_width(runner) * runner.dtype.itemsize if feature_width else 0
+        proposer_bytes = getattr(proposer, "kv_bytes_per_token", None)   # NOTE: proposers that keep per-slot state
+        self.proposer_bytes_per_token = proposer_bytes(runner) if proposer_bytes is not None else 0
         super().__init__(runner, scheduler, kv_cache, name or "speculative", seed, cuda_graphs)
         self.measure_speedup = measure_speedup  # lab.run then also runs `without_speculation()` on the same work
         if speedup_rounds < 1:
@@ -85,8 +85,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Keys + values of one token over all layers, and the target features a drafter reads, kept beside them."""
-        return super().kv_bytes_per_token + self.feature_bytes_per_token
+        """Keys + values of one token over all layers, and what the proposer keeps beside them (the target features
+        a drafter reads, a drafter's own KV)."""
+        return super().kv_bytes_per_token + self.proposer_bytes_per_token
 
     def without_speculation(self) -> "SpeculativeEngine":
         """The same engine with speculation off (num_spec_tokens=0): the baseline for speedups."""

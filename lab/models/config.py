@@ -47,3 +47,8 @@ class DecoderConfig:
             attention_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")),
             use_qk_norm=c.model_type == "qwen3", rope_scaling=rope, model_type=c.model_type,
         )
+
+    def kv_bytes_per_token(self, itemsize: int, num_layers: int | None = None) -> int:
+        """Keys + values of one token over all layers (or the first `num_layers`), `itemsize` bytes a value."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * itemsize

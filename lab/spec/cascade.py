@@ -83,10 +83,10 @@ class CascadeProposerConfig:
     fallback: Any = None
     fallback_num_spec_tokens: int = 2
 
-    def feature_width(self, target: Any) -> int:
-        """The fallback's target features (the primary reads none), kept beside the KV."""
-        width = getattr(self.fallback, "feature_width", None)
-        return width(target) if width is not None else 0
+    def kv_bytes_per_token(self, target: Any) -> int:
+        """What both proposers keep per target KV slot."""
+        return sum(part(target) for part in (getattr(self.primary, "kv_bytes_per_token", None),
+                                             getattr(self.fallback, "kv_bytes_per_token", None)) if part is not None)
 
     def build(self, target: Any, kv: KVCacheManager) -> CascadeProposer:
         if self.primary is None or self.fallback is None:

@@ -275,10 +275,11 @@ class DFlashProposerConfig:
                            "use block_size, num_layers, feature_layers, intermediate_size, fuse_last_context, "
                            "mask_per_position, input_fusion, max_fill") from exc
 
-    def feature_width(self, target: ModelRunner) -> int:
-        """F: values of a token's target features (every layer the drafter reads), kept beside its KV."""
+    def kv_bytes_per_token(self, target: ModelRunner) -> int:
+        """Kept per target KV slot: the token's target features (every layer the drafter reads). (The drafter's
+        projected context K/V is kept per request, outside the blocks.)"""
         layers = self._drafter_config().resolved(target.config.num_layers).feature_layers
-        return len(layers) * target.config.hidden_size
+        return len(layers) * target.config.hidden_size * target.dtype.itemsize
 
     def build(self, target: ModelRunner, kv: KVCacheManager) -> DFlashProposer:
         if self.lookahead_masks is not None and self.lookahead_masks < 0:

@@ -18,6 +18,7 @@ import torch
 from lab.errors import LabError
 from lab.kv_cache.block_kv import SeqSlice
 from lab.kv_cache.manager import KVCacheManager
+from lab.models.config import DecoderConfig
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
@@ -95,6 +96,13 @@ class DraftModelProposerConfig:
     source: Any = None
     dtype: str | None = None   # None: the target's
 
+    def kv_bytes_per_token(self, target: ModelRunner) -> int:
+        """Kept per target KV slot: the draft model's own KV (DraftKV has as many blocks as the target)."""
+        if self.source is None:
+            return 0   # NOTE: build() says what is missing
+        itemsize = getattr(torch, self.dtype).itemsize if self.dtype else target.dtype.itemsize
+        return DecoderConfig.from_hf(self.source.hf_config).kv_bytes_per_token(itemsize)
+
     def build(self, target: ModelRunner, kv: KVCacheManager) -> DraftModelProposer:
         if self.source is None:
             raise LabError("proposer=draft_model needs a draft model", "set engine.proposer.source (e.g. the tiny model)")
@@ -111,6 +119,10 @@ class LayerSkipProposerConfig:
     """conf/engine/proposer/layerskip.yaml: the target's first `num_layers` layers + final norm + head."""
 
     num_layers: int = 4
+
+    def kv_bytes_per_token(self, target: ModelRunner) -> int:
+        """Kept per target KV slot: the first `num_layers` layers' own KV (DraftKV has as many blocks as the target)."""
+        return target.config.kv_bytes_per_token(target.dtype.itemsize, num_layers=self.num_layers)
 
     def build(self, target: ModelRunner, kv: KVCacheManager) -> DraftModelProposer:
         from lab.models.early_exit import early_exit_runner

@@ -206,9 +206,11 @@ class EagleProposerConfig:
     tree_width: int = 1
     tree_min_prob: float = 0.0
 
-    def feature_width(self, target: ModelRunner) -> int:
-        """F: values of a token's target features (the last layer's hidden state), kept beside its KV."""
-        return target.config.hidden_size
+    def kv_bytes_per_token(self, target: ModelRunner) -> int:
+        """Kept per target KV slot: the token's target features (the last layer's hidden state) and the head's
+        own KV (one layer of the target's shape)."""
+        itemsize = target.dtype.itemsize
+        return target.config.hidden_size * itemsize + target.config.kv_bytes_per_token(itemsize, num_layers=1)
 
     def build(self, target: ModelRunner, kv: KVCacheManager) -> EagleProposer:
         fresh = None
