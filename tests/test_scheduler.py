@@ -11,6 +11,7 @@ import torch
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.errors import LabError
 from lab.kv_cache import BlockKVCache, PagedKVCacheConfig, SlotKVCacheConfig
+from lab.models.config import DecoderConfig
 from lab.request import Request, RequestStatus, SamplingParams
 from lab.sched import SchedulerConfig, SchedulerOutput
 
@@ -21,6 +22,9 @@ class _Config:
     num_kv_heads: int = 1
     head_dim: int = 2
     vocab_size: int = 8
+
+    def kv_bytes_per_token(self, itemsize: int, num_layers: int | None = None) -> int:
+        return DecoderConfig.kv_bytes_per_token(self, itemsize, num_layers)   # NOTE: the real formula
 
 
 @dataclass
