@@ -39,7 +39,6 @@ class StepBatch:
     positions: torch.Tensor                       # (1, N)
     sample_rows: torch.Tensor                     # (R',) rows whose logits are sampled / verified
     samplers: list[Request]                       # the requests those rows belong to, in order
-    layout: list[tuple[Request, int, int]]        # (request, first position, token count), in row order
     in_graph: bool = False                        # a decode / verify step run by DecodeGraphs
 
 
@@ -159,7 +158,7 @@ class ContinuousBatchingEngine(Engine):
         # and cuts them into groups of similar length.
         order = sorted(out.scheduled, key=lambda r: (counts[r.request_id] != 1,
                                                      -r.num_computed_tokens if counts[r.request_id] == 1 else 0))
-        seqs, token_ids, sample_rows, samplers, layout = [], [], [], [], []
+        seqs, token_ids, sample_rows, samplers = [], [], [], []
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]
             spec = out.scheduled_spec_token_ids.get(request.request_id, [])
@@ -167,7 +166,6 @@ class ContinuousBatchingEngine(Engine):
             # NOTE: query 0 is the root (the last token); draft i is query i + 1.
             tree = None if parents is None else tuple(p + 1 for p in parents)
             seqs.append(SeqSlice(self.kv_manager.block_table(request.request_id), start, num, tree))
-            layout.append((request, start, num))
             token_ids.extend(_token_slice(request, start, num - len(spec)) + spec)
             if out.samples(request):
                 sample_rows.extend(range(len(token_ids) - 1 - len(spec), len(token_ids)))
@@ -175,7 +173,7 @@ class ContinuousBatchingEngine(Engine):
         self.kv_cache.begin_step(seqs, prepare_attention)
         return StepBatch(input_ids=torch.tensor(token_ids, dtype=torch.long)[None],
                          positions=self.kv_cache.index.positions[None],
-                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), samplers=samplers, layout=layout)
+                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), samplers=samplers)
 
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
                       logits: torch.Tensor) -> dict[str, int | list[int]]:

@@ -133,7 +133,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if not self.proposer.feature_layers or not self.num_spec_tokens:
             return super().forward(batch)
         logits, features = self.target_forward(batch, tuple(self.proposer.feature_layers))
-        self.proposer.observe(batch.layout, features)                                    # (N, F)
+        # NOTE: each row's features go where its keys and values just went: the step's slot mapping
+        self.proposer.observe(self.kv_cache.index.slot_mapping, features)                # (N,), (N, F)
         return logits
 
     # -- verify (the hook) ---------------------------------------------------------------------------

@@ -38,8 +38,8 @@ class CascadeProposer:
         self.feature_layers = fallback.feature_layers
         self.num_primary_drafts = self.num_fallback_drafts = 0
 
-    def observe(self, layout: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
-        self.fallback.observe(layout, features)
+    def observe(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
+        self.fallback.observe(slot_mapping, features)
 
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:

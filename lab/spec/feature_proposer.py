@@ -154,12 +154,9 @@ class FeatureProposer:
         self.num_forwards = 0
         self.num_unready = 0   # requests not drafted because some of their features were never computed
 
-    def observe(self, layout: list[tuple[Request, int, int]], features: torch.Tensor) -> None:
-        """features (N, F) of one target forward; layout: (request, first position, count) in row order."""
-        offset = 0
-        for request, start, num in layout:
-            self.store.write(request.request_id, start, features[offset:offset + num])
-            offset += num
+    def observe(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
+        """features (N, F) of one target forward; slot_mapping (N,): the KV slot of each row."""
+        self.store.write_slots(slot_mapping, features)
 
     def ready(self, request: Request) -> bool:
         """Features of every token but the last (the bonus token the target has not run yet) are known."""

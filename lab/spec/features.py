@@ -43,12 +43,18 @@ class FeatureStore:
             position += count
         return runs
 
+    def _slots(self, request_id: str, positions: list[int] | range) -> torch.Tensor:
+        """The storage rows of a request's positions (N,): the KV's slot mapping for them."""
+        table, bs = self.kv.block_table(request_id), self.block_size
+        return torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.long, device=self.device)
+
+    def write_slots(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
+        """features (N, F) into the rows slot_mapping (N,) names: a forward's rows where its KV went."""
+        self.rows.index_copy_(0, slot_mapping, features)
+
     def write(self, request_id: str, start: int, features: torch.Tensor) -> None:
         """features (num, F) of positions start..start+num-1 (the request holds blocks for them)."""
-        done = 0
-        for row, count in self._runs(request_id, start, start + features.shape[0]):
-            self.rows[row:row + count] = features[done:done + count]
-            done += count
+        self.write_slots(self._slots(request_id, range(start, start + features.shape[0])), features)
 
     def num_valid(self, request: Request) -> int:
         """Leading positions whose features are known: those whose KV is (see the module's docstring)."""
@@ -66,6 +72,4 @@ class FeatureStore:
 
     def move(self, request_id: str, src: list[int], dst: list[int]) -> None:
         """Features of positions `src` now belong to positions `dst` (a tree's accepted path, lab/spec/tree.py)."""
-        table, bs = self.kv.block_table(request_id), self.block_size
-        slots = [[table[p // bs] * bs + p % bs for p in positions] for positions in (src, dst)]
-        self.rows[slots[1]] = self.rows[slots[0]]
+        self.rows[self._slots(request_id, dst)] = self.rows[self._slots(request_id, src)]

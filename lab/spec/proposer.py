@@ -37,7 +37,8 @@ class Draft:
 
 class Proposer(Protocol):
     # NOTE: target layers whose outputs the proposer reads (EAGLE, DFlash); () for the others. When set,
-    # the engine captures them in every target forward and calls `observe(layout, features)`.
+    # the engine captures them in every target forward and calls `observe(slot_mapping, features)`: features (N, F)
+    # of the forward's rows, slot_mapping (N,) the flat KV slot each row's keys and values were stored at.
     feature_layers: tuple[int, ...]
 
     def propose(self, requests: list[Request], num_spec_tokens: int,
