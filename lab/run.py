@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
+from lab.config_check import check_call, check_group, check_target_config, checked_kwargs
 from lab.engines.base import Engine, RunResult
 from lab.metrics.summary import summarize
 from lab.errors import LabError
@@ -55,6 +56,33 @@ def exit_on_lab_error(raw: BaseException) -> NoReturn:
     sys.exit(2)
 
 
+# NOTE: the groups `run` builds with hydra's instantiate, and what it passes them besides their settings
+RUN_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("logger", ()), ("model.source", ()), ("engine", ("runner", "seed")), ("metrics", ()), ("profiler", ()))
+
+
+def check_run_config(cfg: DictConfig) -> None:
+    """Every group `run` builds, against what it builds (lab/config_check.py), before anything is built: a typo in
+    the workload fails in a second, not after the model has loaded."""
+    for path, supplied in RUN_GROUPS:
+        check_group(cfg, path, supplied)
+    split_workload(cfg)
+    checked_kwargs(SamplingDefaults, cfg.sampling, "sampling")
+
+
+def split_workload(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the workload's own settings, its arrival settings: ARRIVAL_KEYS), each checked against what it builds."""
+    spec: dict[str, Any] = OmegaConf.to_container(cfg.workload, resolve=True)
+    arrival_cfg = {k: spec.pop(k) for k in ARRIVAL_KEYS if k in spec}
+    check_target_config(spec, "workload")
+    num_warmups = arrival_cfg.get("num_warmups")
+    if num_warmups is not None and (not isinstance(num_warmups, int) or isinstance(num_warmups, bool)):
+        raise LabError(f"workload.num_warmups must be an integer or null, got {num_warmups!r}",
+                       "set workload.num_warmups to 0 (none) or more")
+    check_call(ArrivalProcess, {k: v for k, v in arrival_cfg.items() if k != "num_warmups"}, "workload", ("seed",))
+    return spec, arrival_cfg
+
+
 def build_runner(cfg: DictConfig) -> ModelRunner:
     source = instantiate(cfg.model.source)
     return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len)
@@ -62,14 +90,13 @@ def build_runner(cfg: DictConfig) -> ModelRunner:
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:
     """(measured requests with arrival offsets, warm-up requests, arrival process, workload name)."""
-    spec: dict[str, Any] = OmegaConf.to_container(cfg.workload, resolve=True)
-    arrival_cfg = {k: spec.pop(k) for k in ARRIVAL_KEYS if k in spec}
+    spec, arrival_cfg = split_workload(cfg)
     num_warmups = int(arrival_cfg.pop("num_warmups", 0) or 0)
     arrival = ArrivalProcess(request_rate=float(arrival_cfg.get("request_rate", math.inf)),
                              burstiness=float(arrival_cfg.get("burstiness", 1.0)),
                              max_concurrency=arrival_cfg.get("max_concurrency"), seed=int(cfg.seed))
     workload = instantiate(spec)
-    sampling = SamplingDefaults(**OmegaConf.to_container(cfg.sampling, resolve=True))
+    sampling = SamplingDefaults(**checked_kwargs(SamplingDefaults, cfg.sampling, "sampling"))
     requests = arrival.assign(workload.build(runner.tokenizer, runner.vocab_size, sampling))
     warmups = []
     for i in range(num_warmups):
@@ -158,6 +185,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
+    check_run_config(cfg)
     logger = instantiate(cfg.logger)
     name, group = _hydra_names()
     resolved = OmegaConf.to_container(cfg, resolve=True)

@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lab.config_check import check_group, checked_kwargs
 from lab.run import CONF_DIR, exit_on_lab_error
 from lab.runner import ModelRunner
 from lab.drafters.checkpoint import resolve_checkpoint
@@ -31,12 +32,15 @@ from lab.training.recipe import TrainConfig, train_drafter
 def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
+    # NOTE: every group checked before the target loads (lab/config_check.py)
+    check_group(cfg, "model.source")
+    check_group(cfg, "logger")
+    data = DataConfig(**checked_kwargs(DataConfig, cfg.data, "data"))
+    train_cfg = TrainConfig(**checked_kwargs(TrainConfig, cfg.train, "train"))
     source = instantiate(cfg.model.source)
     target = ModelRunner(source, dtype="float32", device=cfg.model.device)
     options = OmegaConf.to_container(cfg.drafter, resolve=True)
     kind = options.pop("name")
-    data = DataConfig(**OmegaConf.to_container(cfg.data, resolve=True))
-    train_cfg = TrainConfig(**OmegaConf.to_container(cfg.train, resolve=True))
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     command = "lab-train " + " ".join(shlex.quote(o) for o in overrides)
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()

@@ -16,6 +16,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lab.config_check import check_target_config
 from lab.engines.base import Engine
 from lab.run import build_runner, exit_on_lab_error
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
@@ -55,6 +56,9 @@ class EngineFactory:
         config = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
                   for k in keys}
         config["tensor_parallel"] = int(cfg.serve.tensor_parallel) > 1
+        # NOTE: checked here, in the server's process, before any replica or rank builds an engine
+        check_target_config(config["model"]["source"], "model.source")
+        check_target_config(config["engine"], "engine", supplied=("runner", "seed"))
         return cls(config)
 
 

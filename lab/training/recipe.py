@@ -10,6 +10,7 @@ where data comes from (data.py).
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import signal
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lab.config_check import check_call
 from lab.drafters.checkpoint import load_drafter, read_checkpoint, resolve_checkpoint, save_drafter, target_fingerprint
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.drafters.eagle import EagleConfig, EagleDrafter
@@ -149,11 +151,29 @@ def deepen_dflash(drafter: nn.Module, count: int, target: DecoderModel, hf_confi
     return deeper.to(next(drafter.parameters()).dtype)
 
 
+# NOTE: the `drafter=` options that shape a new drafter (its EagleConfig / DFlashConfig), and those the recipe reads
+SHAPE_OPTIONS = {"eagle": ("feature_layer", "intermediate_size"),
+                 "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context",
+                            "mask_per_position", "input_fusion")}
+RECIPE_OPTIONS = {"eagle": ("start_as_identity", "ce_weight", "noise", "ce_positions", "draft_vocab_size"),
+                  "dflash": ("start_as_identity", "anchors_per_seq", "gamma", "greedy_path", "max_fill",
+                             "draft_vocab_size")}
+
+
+def check_drafter_options(kind: str, options: dict[str, Any]) -> None:
+    """Every `drafter=` option is one the drafter or the recipe reads, and the drafter's of its field's type."""
+    known = SHAPE_OPTIONS[kind] + RECIPE_OPTIONS[kind]
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise LabError(f"drafter has no option {key!r} ({'an' if kind == 'eagle' else 'a'} {kind} drafter takes: {', '.join(known)})",
+                           f"did you mean drafter.{close[0]}?" if close else f"remove drafter.{key}")
+    config = {"eagle": EagleConfig, "dflash": DFlashConfig}[kind]
+    check_call(config, {k: v for k, v in options.items() if k in SHAPE_OPTIONS[kind]}, "drafter")
+
+
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
-    keys = {"eagle": ("feature_layer", "intermediate_size"),
-            "dflash": ("block_size", "num_layers", "feature_layers", "intermediate_size", "fuse_last_context",
-                       "mask_per_position", "input_fusion")}[kind]
-    settings = {k: (list(v) if k == "feature_layers" else v) for k, v in options.items() if k in keys}
+    settings = {k: (list(v) if k == "feature_layers" else v) for k, v in options.items() if k in SHAPE_OPTIONS[kind]}
     if kind == "eagle":
         return EagleDrafter(target.config, EagleConfig(**settings), target.source.hf_config)
     return DFlashDrafter(target.config, DFlashConfig(**settings), target.source.hf_config)
@@ -168,6 +188,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     logger = logger or NullLogger()
     if kind not in ("eagle", "dflash"):
         raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
+    check_drafter_options(kind, options)
     if train.stop_after is not None and train.stop_after < 1:
         raise LabError(f"train.stop_after must be >= 1, got {train.stop_after}", "drop it or set a step count")
     if target.dtype != torch.float32:
