@@ -13,22 +13,59 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lab.bench.client import BenchRequest
+from lab.bench.client import Api, BenchRequest
+from lab.config_check import check_call
 from lab.bench.driver import Target, benchmark
 from lab.bench.metrics import calculate, detailed
 from lab.errors import LabError
 from lab.metrics.report import speculative_rows
 from lab.request import Request
-from lab.run import build_requests, exit_on_lab_error
+from lab.run import build_requests, exit_on_lab_error, split_workload
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-PROMPT_FORMATS = ("auto", "text", "token_ids")
+PromptFormat = Literal["auto", "text", "token_ids"]
+PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
+# NOTE: not the bench's own settings: composed groups (checked where they are built) and experiment=serving's
+# `serving` (the servers experiments/serving.py starts; a plain run against an endpoint ignores it)
+CONFIG_GROUPS = ("workload", "sampling", "hydra", "serving")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """conf/bench_serve.yaml's own settings (beside its workload and sampling groups), typed: checked against these
+    annotations before anything runs (lab/config_check.py), so `api=grpc` fails before a request is sent."""
+
+    endpoint: str
+    api: Api
+    model: str | None
+    tokenizer: str
+    prompt_format: PromptFormat
+    label: str | None
+    seed: int
+    percentiles: list[float]
+    slo: dict[str, Any]
+    save_detailed: bool
+    extra_body: dict[str, Any]
+    ready_timeout_s: float
+    warmup_max_tokens: int | None
+    metrics_url: str | None
+    request_timeout_s: float
+    print_table: bool
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> "BenchOptions":
+        values = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in CONFIG_GROUPS}
+        check_call(cls, values, "")
+        if values["warmup_max_tokens"] is not None and values["warmup_max_tokens"] < 1:
+            raise LabError(f"warmup_max_tokens must be >= 1 or null, got {values['warmup_max_tokens']}",
+                           "use null (each warm-up generates its request's length, as vLLM) or e.g. 4")
+        return cls(**values)
 
 
 @dataclass
@@ -97,32 +134,29 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
 
 
 def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    tokenizer = load_tokenizer(str(cfg.tokenizer))
+    options = BenchOptions.from_cfg(cfg)
+    split_workload(cfg)   # NOTE: checks the workload's settings too, before the tokenizer loads
+    tokenizer = load_tokenizer(options.tokenizer)
     requests, warmups, arrival, workload_name = build_requests(cfg, TokenizerOnly(tokenizer, len(tokenizer)))
-    bench_requests = [to_bench_request(r, tokenizer, cfg.prompt_format) for r in requests]
-    target = Target(cfg.endpoint, cfg.api, cfg.model, OmegaConf.to_container(cfg.extra_body, resolve=True) or {},
-                    float(cfg.request_timeout_s), cfg.get("metrics_url"))
+    bench_requests = [to_bench_request(r, tokenizer, options.prompt_format) for r in requests]
+    target = Target(options.endpoint, options.api, options.model, options.extra_body,
+                    float(options.request_timeout_s), options.metrics_url)
     offsets = [r.arrival_time for r in requests]
-    warmup_max_tokens = cfg.get("warmup_max_tokens")
-    if warmup_max_tokens is not None and int(warmup_max_tokens) < 1:
-        raise LabError(f"warmup_max_tokens must be >= 1 or null, got {warmup_max_tokens}",
-                       "use null (each warm-up generates its request's length, as vLLM) or e.g. 4")
     measured = asyncio.run(benchmark(target, bench_requests, offsets, arrival.max_concurrency, len(warmups),
-                                     float(cfg.ready_timeout_s),
-                                     None if warmup_max_tokens is None else int(warmup_max_tokens)))
+                                     float(options.ready_timeout_s), options.warmup_max_tokens))
     outputs, duration, model = measured.outputs, measured.duration, measured.model
-    percentiles = [float(p) for p in cfg.percentiles]
-    slo = OmegaConf.to_container(cfg.slo, resolve=True)
+    percentiles = [float(p) for p in options.percentiles]
     result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": f"openai-{cfg.api}",
-        "backend": f"openai-{cfg.api}", "label": cfg.label, "model_id": model, "tokenizer_id": str(cfg.tokenizer),
-        "endpoint": cfg.endpoint, "workload": workload_name, "num_prompts": len(requests),
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": f"openai-{options.api}",
+        "backend": f"openai-{options.api}", "label": options.label, "model_id": model,
+        "tokenizer_id": options.tokenizer, "endpoint": options.endpoint, "workload": workload_name,
+        "num_prompts": len(requests),
         "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
         "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
-        **calculate(outputs, duration, tokenizer, tuple(percentiles), slo),
+        **calculate(outputs, duration, tokenizer, tuple(percentiles), options.slo),
         **(measured.spec.summary() if measured.spec is not None else {}),
         **(measured.prefix_cache.summary() if measured.prefix_cache is not None else {})}
-    if cfg.save_detailed:
+    if options.save_detailed:
         result.update(detailed(outputs, tokenizer))
     errors = [o.error for o in outputs if not o.success]
     result["first_errors"] = errors[:5]
@@ -130,7 +164,7 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # NOTE: inf is not JSON; vLLM writes it as the string "inf".
     (run_dir / "results.json").write_text(json.dumps(
         {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in result.items()}, indent=2))
-    if cfg.print_table:
+    if options.print_table:
         print_table(result, percentiles)
         print(f"results: {run_dir / 'results.json'}")
     return result

@@ -76,7 +76,8 @@ def _locate(dotted: str, path: str) -> Any:
 
 def check_call(target: Callable[..., Any], values: Mapping[str, Any], path: str, supplied: Iterable[str] = ()
                ) -> None:
-    """Would target(**values, **supplied) bind, and are values' scalars of the annotated types?"""
+    """Would target(**values, **supplied) bind, and are values' scalars of the annotated types? path: the values'
+    key in the config ('engine', 'model.source'; '' for its top level)."""
     name = getattr(target, "__qualname__", repr(target))
     params = _parameters(target)
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -87,24 +88,35 @@ def check_call(target: Callable[..., Any], values: Mapping[str, Any], path: str,
     for key in keys:
         if key not in params and not takes_any:
             close = difflib.get_close_matches(key, known, n=1)
-            raise LabError(f"{path} has no setting {key!r} ({name} takes: {', '.join(known)})",
-                           f"did you mean {path}.{close[0]}?" if close else f"remove {path}.{key}, or use one of those")
+            raise LabError(f"{path or 'the config'} has no setting {key!r} ({name} takes: {', '.join(known)})",
+                           f"did you mean {_join(path, close[0])}?" if close
+                           else f"remove {_join(path, key)}, or use one of those")
     for key, param in params.items():
         if (param.default is param.empty and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
                 and key not in values and key not in supplied and not partial):
-            raise LabError(f"{path}.{key} is required ({name} has no default for it)", f"set {path}.{key}")
+            raise LabError(f"{_join(path, key)} is required ({name} has no default for it)", f"set {_join(path, key)}")
     module_globals = vars(sys.modules.get(getattr(target, "__module__", ""), types.ModuleType("_")))
     for key in keys:
         value = values[key]
         if isinstance(value, Mapping) and "_target_" in value:
-            check_target_config(value, f"{path}.{key}")
+            check_target_config(value, _join(path, key))
             continue
         if key not in params:
             continue
         annotation = _evaluate(params[key].annotation, module_globals)
-        if annotation is not None and _accepts(annotation, value) is False:
-            expected = _describe(annotation)
-            raise LabError(f"{path}.{key} must be {expected}, got {value!r}", f"set {path}.{key} to {expected}")
+        if annotation is not None:
+            check_value(annotation, value, _join(path, key))
+
+
+def check_value(annotation: Any, value: Any, path: str) -> None:
+    """value against a type (int | None, Literal['a', 'b'], list[int]); path: its key, for the message."""
+    if _accepts(annotation, value) is False:
+        expected = _describe(annotation)
+        raise LabError(f"{path} must be {expected}, got {value!r}", f"set {path} to {expected}")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _parameters(target: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:

@@ -25,7 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
-from lab.config_check import check_call, check_group, check_target_config, checked_kwargs
+from lab.config_check import check_call, check_group, check_target_config, check_value, checked_kwargs
 from lab.engines.base import Engine, RunResult
 from lab.metrics.summary import summarize
 from lab.errors import LabError
@@ -58,16 +58,29 @@ def exit_on_lab_error(raw: BaseException) -> NoReturn:
 
 # NOTE: the groups `run` builds with hydra's instantiate, and what it passes them besides their settings
 RUN_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("logger", ()), ("model.source", ()), ("engine", ("runner", "seed")), ("metrics", ()), ("profiler", ()))
+    ("logger", ()), ("engine", ("runner", "seed")), ("metrics", ()), ("profiler", ()))
+TOP_LEVEL_SETTINGS = {"seed": int, "threads": int | None}   # of the configs that have them (run, serve, train)
 
 
 def check_run_config(cfg: DictConfig) -> None:
     """Every group `run` builds, against what it builds (lab/config_check.py), before anything is built: a typo in
     the workload fails in a second, not after the model has loaded."""
+    check_model_config(cfg)
     for path, supplied in RUN_GROUPS:
         check_group(cfg, path, supplied)
     split_workload(cfg)
     checked_kwargs(SamplingDefaults, cfg.sampling, "sampling")
+
+
+def check_model_config(cfg: DictConfig) -> None:
+    """The top-level seed and threads, model.source against what it builds and the model group's other settings
+    against ModelRunner (lab, lab-serve and lab-train all load the model this way)."""
+    for key, annotation in TOP_LEVEL_SETTINGS.items():
+        if key in cfg:
+            check_value(annotation, cfg[key], key)
+    check_group(cfg, "model.source")
+    settings = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("name", "source")}
+    check_call(ModelRunner, settings, "model", ("source",))
 
 
 def split_workload(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:

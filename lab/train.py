@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lab.config_check import check_group, checked_kwargs
-from lab.run import CONF_DIR, exit_on_lab_error
+from lab.run import CONF_DIR, check_model_config, exit_on_lab_error
 from lab.runner import ModelRunner
 from lab.drafters.checkpoint import resolve_checkpoint
 from lab.training.data import DataConfig
@@ -30,11 +30,11 @@ from lab.training.recipe import TrainConfig, train_drafter
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
+    # NOTE: every group checked before the target loads (lab/config_check.py)
+    check_model_config(cfg)
+    check_group(cfg, "logger")
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    # NOTE: every group checked before the target loads (lab/config_check.py)
-    check_group(cfg, "model.source")
-    check_group(cfg, "logger")
     data = DataConfig(**checked_kwargs(DataConfig, cfg.data, "data"))
     train_cfg = TrainConfig(**checked_kwargs(TrainConfig, cfg.train, "train"))
     source = instantiate(cfg.model.source)

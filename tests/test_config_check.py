@@ -108,6 +108,22 @@ def test_nested_targets_are_checked_with_their_path() -> None:
         check_target_config(cfg["engine"], "engine", ENGINE_RUN_KEYS)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("model.max_model_len=abc", "model.max_model_len must be an integer or null, got 'abc'"),
+    ("+model.max_len=64", "did you mean model.max_model_len?"),
+    ("threads=abc", "threads must be an integer or null, got 'abc'"),
+    ("seed=1.5", "seed must be an integer, got 1.5"),
+    ("workload.max_concurrency=0.5", "workload.max_concurrency must be an integer or null, got 0.5"),
+    ("workload.num_warmups=abc", "workload.num_warmups must be an integer or null"),
+])
+def test_run_settings_beside_the_targets(override: str, message: str) -> None:
+    from lab.run import check_run_config
+
+    with pytest.raises(LabError) as info:
+        check_run_config(compose_cfg(["model=tiny", override]))
+    assert message in str(info.value)
+
+
 @pytest.mark.parametrize("target, message", [
     ("lab.workloads.NoSuchWorkload", "lab.workloads has no 'NoSuchWorkload'"),
     ("no_such_package.Thing", "no module 'no_such_package'"),
@@ -166,3 +182,27 @@ def test_shipped_drafter_options_pass() -> None:
             cfg = compose(config_name="train", overrides=[f"drafter={kind}"])
         options = OmegaConf.to_container(cfg.drafter, resolve=True)
         check_drafter_options(options.pop("name"), options)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("api=grpc", "api must be one of 'completions', 'chat', got 'grpc'"),
+    ("percentiles=[50,abc]", "percentiles must be a list of numbers"),
+    ("warmup_max_tokens=0", "warmup_max_tokens must be >= 1 or null"),
+    ("workload.input_len=long", "workload.input_len must be an integer"),
+])
+def test_bench_serve_settings_are_checked_before_any_request(override: str, message: str, tmp_path: Path) -> None:
+    from lab.bench_serve import bench
+    from tests.test_bench_serve import compose_cfg_bench
+
+    with pytest.raises(LabError) as info:
+        bench(compose_cfg_bench(["endpoint=http://127.0.0.1:9/v1", override]), tmp_path)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("experiment", [[], ["+experiment=serving"], ["+experiment=serving_spec"]])
+def test_shipped_bench_serve_options_pass(experiment: list[str]) -> None:
+    from lab.bench_serve import BenchOptions
+    from tests.test_bench_serve import compose_cfg_bench
+
+    options = BenchOptions.from_cfg(compose_cfg_bench(experiment))
+    assert options.percentiles == [50, 90, 95, 99]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lab.config_check import check_target_config
 from lab.engines.base import Engine
-from lab.run import build_runner, exit_on_lab_error
+from lab.run import build_runner, check_model_config, exit_on_lab_error
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.engine_loop import EngineClient, ThreadEngineClient
 from lab.serve.replicas import ReplicaRouter
@@ -57,7 +57,7 @@ class EngineFactory:
                   for k in keys}
         config["tensor_parallel"] = int(cfg.serve.tensor_parallel) > 1
         # NOTE: checked here, in the server's process, before any replica or rank builds an engine
-        check_target_config(config["model"]["source"], "model.source")
+        check_model_config(cfg)
         check_target_config(config["engine"], "engine", supplied=("runner", "seed"))
         return cls(config)
 
