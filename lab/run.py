@@ -195,10 +195,10 @@ def _hydra_names() -> tuple[str, str]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    check_run_config(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
-    check_run_config(cfg)
     logger = instantiate(cfg.logger)
     name, group = _hydra_names()
     resolved = OmegaConf.to_container(cfg, resolve=True)

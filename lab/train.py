@@ -26,7 +26,7 @@ from lab.run import CONF_DIR, check_model_config, exit_on_lab_error
 from lab.runner import ModelRunner
 from lab.drafters.checkpoint import resolve_checkpoint
 from lab.training.data import DataConfig
-from lab.training.recipe import TrainConfig, train_drafter
+from lab.training.recipe import TrainConfig, check_drafter_options, train_drafter
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -37,10 +37,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         torch.set_num_threads(int(cfg.threads))
     data = DataConfig(**checked_kwargs(DataConfig, cfg.data, "data"))
     train_cfg = TrainConfig(**checked_kwargs(TrainConfig, cfg.train, "train"))
-    source = instantiate(cfg.model.source)
-    target = ModelRunner(source, dtype="float32", device=cfg.model.device)
     options = OmegaConf.to_container(cfg.drafter, resolve=True)
     kind = options.pop("name")
+    check_drafter_options(kind, options)
+    source = instantiate(cfg.model.source)
+    target = ModelRunner(source, dtype="float32", device=cfg.model.device)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
     command = "lab-train " + " ".join(shlex.quote(o) for o in overrides)
     run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path.cwd()

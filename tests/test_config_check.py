@@ -148,6 +148,8 @@ def test_cli_names_the_key(override: str, message: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("module, overrides, message", [
     ("lab.train", ["logger=none", "+train.stepz=3"], "did you mean train.steps?"),
     ("lab.train", ["logger=none", "data.num_prompts=many"], "data.num_prompts must be an integer"),
+    ("lab.train", ["logger=none", "+drafter.gama=5"], "did you mean drafter.gamma?"),
+    ("lab.run", ["seed=abc"], "seed must be an integer, got 'abc'"),
     ("lab.serve", ["+engine.bogus=1"], "engine has no setting 'bogus'"),
     ("lab.serve", ["model.source.num_hidden_layers=two"], "model.source.num_hidden_layers must be an integer"),
 ])
@@ -161,7 +163,8 @@ def test_train_and_serve_check_before_loading(module: str, overrides: list[str],
 
 @pytest.mark.parametrize("kind, options, message", [
     ("dflash", {"gama": 5.0}, "did you mean drafter.gamma?"),
-    ("eagle", {"block_size": 8}, "drafter has no option 'block_size' (an eagle drafter takes"),
+    ("eagle", {"block_size": 8}, "drafter has no option 'block_size' (the eagle drafter and its recipe take"),
+    ("medusa", {}, "unknown drafter 'medusa'"),
     ("dflash", {"num_layers": "two"}, "drafter.num_layers must be an integer, got 'two'"),
 ])
 def test_drafter_options_are_checked(kind: str, options: dict, message: str) -> None:

@@ -161,12 +161,16 @@ RECIPE_OPTIONS = {"eagle": ("start_as_identity", "ce_weight", "noise", "ce_posit
 
 
 def check_drafter_options(kind: str, options: dict[str, Any]) -> None:
-    """Every `drafter=` option is one the drafter or the recipe reads, and the drafter's of its field's type."""
+    """The drafter kind is known, every `drafter=` option is one the drafter or the recipe reads, and the drafter's
+    own options are of their fields' types."""
+    if kind not in SHAPE_OPTIONS:
+        raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
     known = SHAPE_OPTIONS[kind] + RECIPE_OPTIONS[kind]
     for key in options:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            raise LabError(f"drafter has no option {key!r} ({'an' if kind == 'eagle' else 'a'} {kind} drafter takes: {', '.join(known)})",
+            raise LabError(f"drafter has no option {key!r} (the {kind} drafter and its recipe take: "
+                           f"{', '.join(known)})",
                            f"did you mean drafter.{close[0]}?" if close else f"remove drafter.{key}")
     config = {"eagle": EagleConfig, "dflash": DFlashConfig}[kind]
     check_call(config, {k: v for k, v in options.items() if k in SHAPE_OPTIONS[kind]}, "drafter")
@@ -186,8 +190,6 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     caller) the curves: series `train` (loss, lr, the objective's metrics) and `val`, keyed by step, then the
     final metrics as its summary and the checkpoint as an artifact."""
     logger = logger or NullLogger()
-    if kind not in ("eagle", "dflash"):
-        raise LabError(f"unknown drafter {kind!r}", "use drafter=eagle or drafter=dflash")
     check_drafter_options(kind, options)
     if train.stop_after is not None and train.stop_after < 1:
         raise LabError(f"train.stop_after must be >= 1, got {train.stop_after}", "drop it or set a step count")
