@@ -5,6 +5,8 @@ or `+engine.bogus=1` is one message that names the key and the fix (exit 2; in a
 not a TypeError from deep inside a constructor, as Hydra's structured configs check their fields.
 
 Owns: matching config values to Python signatures. Ignores: value ranges (each constructor checks its own).
+Called only by the console scripts' modules, the ones that touch DictConfig (lab.run, lab.serve.cli, lab.train,
+lab.bench_serve), and by lab.training.recipe for the drafter options it receives as a plain dict.
 Annotations it cannot evaluate or judge (classes, forward references) are not checked.
 """
 
