@@ -71,9 +71,9 @@ def job_row(results: dict[str, Any]) -> dict[str, Any]:
         "concurrency": concurrency, "runs": 1,
         "acceptance_rate": results.get("spec_decode_acceptance_rate", math.nan),
         "acceptance_length": results.get("spec_decode_acceptance_length", math.nan),
-        "per_position": [results.get(f"spec_decode_per_position_acceptance_rate/{i}", math.nan) for i in range(k)],
+        "per_position": [*results.get("spec_decode_per_position_acceptance_rates", []), *[math.nan] * k][:k],
         # NOTE: every request-step emits one target token, plus the drafts it accepted
-        "tokens_per_request_step": tokens / max(1, tokens - results.get("spec_decode_num_accepted_tokens", 0)),
+        "tokens_per_request_step": tokens / max(1, tokens - results.get("spec_decode_accepted_tokens", 0)),
         "baseline_tpot_ms": baseline_step_ms, "tpot_ms": results.get("mean_tpot_ms", math.nan),
         "speedup_tpot": results.get("spec/speedup_tpot", math.nan),
         "speedup_e2e": results.get("spec/speedup_e2e", math.nan),

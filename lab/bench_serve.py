@@ -25,6 +25,7 @@ from lab.bench.driver import Target, benchmark
 from lab.bench.metrics import calculate, detailed
 from lab.errors import LabError
 from lab.metrics.report import speculative_rows
+from lab.metrics.summary import check_slo, percentile_word
 from lab.request import Request
 from lab.run import build_requests, exit_on_lab_error, split_workload
 
@@ -62,6 +63,7 @@ class BenchOptions:
     def from_cfg(cls, cfg: DictConfig) -> "BenchOptions":
         values = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k not in CONFIG_GROUPS}
         check_call(cls, values, "")
+        check_slo(values["slo"], "slo")
         if values["warmup_max_tokens"] is not None and values["warmup_max_tokens"] < 1:
             raise LabError(f"warmup_max_tokens must be >= 1 or null, got {values['warmup_max_tokens']}",
                            "use null (each warm-up generates its request's length, as vLLM) or e.g. 4")
@@ -123,7 +125,7 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
     for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                          ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         print("{:-^50}".format(header))
-        for stat in ("mean", "median", *[f"p{p:g}" for p in percentiles]):
+        for stat in ("mean", "median", *[f"p{percentile_word(p)}" for p in percentiles]):
             print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
     spec = speculative_rows(result)   # NOTE: from the server's /metrics, when it speculates and exports them
     if spec:
@@ -154,7 +156,8 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
         "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
         **calculate(outputs, duration, tokenizer, tuple(percentiles), options.slo),
-        **(measured.spec.summary() if measured.spec is not None else {}),
+        # NOTE: as vLLM's, only where the window verified drafts (a speculative server that drafted nothing has none)
+        **(measured.spec.summary() if measured.spec is not None and measured.spec.num_draft_tokens else {}),
         **(measured.prefix_cache.summary() if measured.prefix_cache is not None else {})}
     if options.save_detailed:
         result.update(detailed(outputs, tokenizer))

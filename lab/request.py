@@ -63,6 +63,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     spec_parents: list[int] | None = None   # a tree of drafts: each one's parent (lab/spec/tree.py); None: a chain
     first_scheduled_time: float | None = None
+    num_preemptions: int = 0           # times the scheduler evicted it (its KV freed, recomputed on readmission)
     token_times: list[float] = field(default_factory=list)   # one timestamp per output token
     finished_time: float | None = None
     error: str | None = None

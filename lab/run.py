@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
 from lab.config_check import check_call, check_group, check_target_config, check_value, checked_kwargs
 from lab.engines.base import Engine, RunResult
-from lab.metrics.summary import summarize
+from lab.metrics.summary import check_slo, summarize
 from lab.errors import LabError
 from lab.metrics.report import format_table, request_record, write_results
 from lab.request import Request
@@ -68,6 +68,7 @@ def check_run_config(cfg: DictConfig) -> None:
     check_model_config(cfg)
     for path, supplied in RUN_GROUPS:
         check_group(cfg, path, supplied)
+    check_slo(OmegaConf.to_container(cfg.metrics, resolve=True).get("slo"))
     split_workload(cfg)
     checked_kwargs(SamplingDefaults, cfg.sampling, "sampling")
 

@@ -10,13 +10,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
+from aiohttp import web
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lab.bench.client import BenchRequest, StreamOutput
+from lab.bench.client import BenchRequest, StreamOutput, send
 from lab.bench.driver import Target, benchmark
 from lab.bench.server_metrics import ServerCounters, parse_server_counters, parse_spec_counters
 from lab.bench.metrics import calculate, peak_concurrency
@@ -138,6 +140,31 @@ def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
     assert calculate(outputs, duration)["failed"] == 1
 
 
+def test_a_stream_message_that_is_not_an_object_fails_its_request_not_the_run() -> None:
+    async def send_to_a_broken_server() -> StreamOutput:
+        async def completions(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(b"data: [1, 2]\n\n")
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await send(session, f"http://127.0.0.1:{port}/v1/completions", {}, "completions", 3)
+        finally:
+            await runner.cleanup()
+
+    output = asyncio.run(send_to_a_broken_server())
+    assert not output.success and "not a JSON object" in output.error, output
+
+
 def test_chat_api_streams_text(server_url: str) -> None:
     requests = [BenchRequest("Tell me a story about a cat.", 8, 6), BenchRequest("Hello!", 3, 4)]
     run = asyncio.run(benchmark(Target(server_url, api="chat"), requests, [0.0, 0.0], ready_timeout_s=10))
@@ -197,12 +224,10 @@ def test_spec_counters_are_read_from_any_servers_prometheus_text() -> None:
                                              "prefix_cache_hit_rate": 0.4}
     assert (both - ServerCounters()).spec is None, "a family missing from either snapshot has no window"
     window = counts - SpecCounters(5, 10, 8, (4, 3, 1))
-    assert window.summary() == {"spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 20,
-                                "spec_decode_num_accepted_tokens": 10, "spec_decode_acceptance_rate": 50.0,
+    assert window.summary() == {"spec_decode_num_drafts": 10, "spec_decode_draft_tokens": 20,
+                                "spec_decode_accepted_tokens": 10, "spec_decode_acceptance_rate": 50.0,
                                 "spec_decode_acceptance_length": 2.0,
-                                "spec_decode_per_position_acceptance_rate/0": 0.5,
-                                "spec_decode_per_position_acceptance_rate/1": 0.3,
-                                "spec_decode_per_position_acceptance_rate/2": 0.2}
+                                "spec_decode_per_position_acceptance_rates": [0.5, 0.3, 0.2]}
     assert Target("http://h:8000/v1/").prometheus_url == "http://h:8000/metrics"
     assert Target("http://h:8000/v1", metrics_url="http://h:9000/m").prometheus_url == "http://h:9000/m"
 
@@ -227,7 +252,7 @@ def test_a_speculating_server_exports_vllms_counters_and_the_bench_reports_them(
         saved = bench(cfg, tmp_path)
     printed = capsys.readouterr().out
     assert saved["spec_decode_num_drafts"] > 0 and saved["spec_decode_acceptance_length"] > 1.0
-    assert json.loads((tmp_path / "results.json").read_text())["spec_decode_num_draft_tokens"] > 0
+    assert json.loads((tmp_path / "results.json").read_text())["spec_decode_draft_tokens"] > 0
     assert "Speculative Decoding" in printed and "Acceptance length (tau):" in printed
     assert all(o.success for o in run.outputs), [o.error for o in run.outputs]
     expected = AREngine(tiny_text_runner).run([Request(f"r{i}", list(r.prompt), SamplingParams(

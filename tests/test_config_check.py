@@ -119,6 +119,8 @@ def test_nested_targets_are_checked_with_their_path() -> None:
     ("seed=1.5", "seed must be an integer, got 1.5"),
     ("workload.max_concurrency=0.5", "workload.max_concurrency must be an integer or null, got 0.5"),
     ("workload.num_warmups=abc", "workload.num_warmups must be an integer or null"),
+    ("+metrics.slo.ttft=100", "metrics.slo.ttft is not a goodput SLO"),   # vLLM's name; ours: ttft_ms
+    ("metrics.slo.tpot_ms=-1", "metrics.slo.tpot_ms must be a number of ms >= 0 or null, got -1"),
 ])
 def test_run_settings_beside_the_targets(override: str, message: str) -> None:
     from lab.run import check_run_config
@@ -176,6 +178,7 @@ def test_drafter_options_are_checked(kind: str, options: dict, message: str) -> 
     ("api=grpc", "api must be one of 'completions', 'chat', got 'grpc'"),
     ("percentiles=[50,abc]", "percentiles must be a list of numbers"),
     ("warmup_max_tokens=0", "warmup_max_tokens must be >= 1 or null"),
+    ("+slo.e2el=500", "slo.e2el is not a goodput SLO"),
     ("workload.input_len=long", "workload.input_len must be an integer"),
 ])
 def test_bench_serve_settings_are_checked_before_any_request(override: str, message: str, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from lab.errors import LabError
 from lab.request import Request, RequestStatus, SamplingParams
-from lab.metrics.summary import peak_concurrency, request_latencies, summarize
+from lab.metrics.summary import latency_stats, peak_concurrency, request_latencies, summarize
 from lab.workloads.arrivals import ArrivalProcess
 
 
@@ -31,18 +31,31 @@ def test_single_token_request_has_ttft_and_no_tpot() -> None:
     assert latencies["tpot_ms"] is None and latencies["itl_ms"] == []
 
 
+def test_a_speculative_step_is_one_itl_gap_but_tpot_counts_its_tokens() -> None:
+    """vLLM's client times SSE chunks, and a step's accepted tokens stream as one: three tokens from one
+    verify step are one 100 ms gap, not 100, 0 and 0 ms."""
+    latencies = request_latencies(_request("a", 0.0, [0.5, 0.6, 0.6, 0.6, 0.7]))
+    assert latencies["itl_ms"] == pytest.approx([100.0, 100.0])
+    assert latencies["tpot_ms"] == pytest.approx(200.0 / 4)
+
+
 def test_tpot_excludes_first_token_and_itl_pools_every_gap() -> None:
     a = _request("a", 0.0, [0.5, 0.6, 0.8])   # ttft 500, gaps 100, 200, tpot 150
     b = _request("b", 0.0, [1.0, 1.4])        # ttft 1000, gap 400, tpot 400
     result = summarize([a, b], duration=2.0, start=0.0)
     assert result["mean_tpot_ms"] == pytest.approx((150 + 400) / 2)
-    assert result["mean_itl_ms"] == pytest.approx((100 + 200 + 400) / 3)    # pooled, per token
+    assert result["mean_itl_ms"] == pytest.approx((100 + 200 + 400) / 3)    # pooled over requests
     assert result["median_itl_ms"] == pytest.approx(200)
     assert result["mean_ttft_ms"] == pytest.approx(750)
     assert result["p99_e2el_ms"] == pytest.approx(np.percentile([800, 1400], 99))
     assert result["output_throughput"] == pytest.approx(5 / 2.0)
     assert result["total_token_throughput"] == pytest.approx((5 + 8) / 2.0)
     assert result["request_throughput"] == pytest.approx(1.0)
+
+
+def test_percentile_keys_are_vllms() -> None:
+    stats = latency_stats("ttft", [1.0, 2.0], (50, 99.9, 99.99999))
+    assert {"p50_ttft_ms", "p99.9_ttft_ms", "p99.99999_ttft_ms"} <= set(stats), sorted(stats)
 
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:
@@ -76,8 +89,8 @@ def test_queue_time_peak_rate_and_concurrency() -> None:
 
 def test_poisson_arrivals_have_the_requested_rate() -> None:
     offsets = ArrivalProcess(request_rate=10.0, burstiness=1.0, seed=0).offsets(4001)
-    gaps = np.diff(offsets)
-    assert offsets[0] == 0.0
+    gaps = np.diff([0.0, *offsets])   # vLLM's: the first request waits a gap too
+    assert offsets[-1] == pytest.approx(4001 / 10.0)   # ... and the last is sent at exactly N / rate
     assert gaps.mean() == pytest.approx(0.1, rel=0.05), f"mean gap {gaps.mean():.4f}s, wanted 0.1s"
     assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.08)  # exponential: CV 1
 
@@ -90,8 +103,16 @@ def test_gamma_burstiness_sets_the_gap_variability(burstiness: float) -> None:
     assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.08), f"CV {cv:.3f} for burstiness {burstiness}"
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_seed_offers_the_same_load(seed: int) -> None:
+    """vLLM's rescale: whatever the draws, N requests at rate r are all sent by N / r."""
+    offsets = ArrivalProcess(request_rate=1.0, seed=seed).offsets(5)
+    assert offsets[-1] == pytest.approx(5.0) and offsets == sorted(offsets) and offsets[0] > 0
+
+
 def test_infinite_rate_sends_everything_at_t0_and_bad_rates_are_rejected() -> None:
     assert ArrivalProcess().offsets(5) == [0.0] * 5
+    assert ArrivalProcess(request_rate=2.0, burstiness=math.inf).offsets(3) == pytest.approx([0.5, 1.0, 1.5])
     with pytest.raises(LabError, match="request_rate must be > 0"):
         ArrivalProcess(request_rate=0)
     with pytest.raises(LabError, match="burstiness must be > 0"):

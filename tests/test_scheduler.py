@@ -144,6 +144,16 @@ def test_preemption_takes_the_newest_request_and_recomputes_it() -> None:
     assert engine.kv_manager.num_held_blocks == 0
 
 
+def test_a_readmitted_request_is_not_a_second_prefix_cache_query() -> None:
+    """vLLM counts prefix-cache queries and hits for new requests only: a preempted request finding its own
+    blocks again on readmission would inflate the hit rate."""
+    engine = _engine(num_blocks=6, max_num_batched_tokens=64, prefix=True)
+    finished = _drain(engine, _requests([4, 4, 4], 9))
+    assert sum(r.num_preemptions for r in finished) > 0, "this workload must preempt"
+    counts = engine.kv_manager.prefix_cache_counters()
+    assert (counts.queries, counts.hits) == (12, 0), "three 4-token prompts, nothing cached before them"
+
+
 def test_a_preempted_request_waits_at_the_front_and_keeps_its_outputs() -> None:
     engine = _engine(num_blocks=6, max_num_batched_tokens=64)
     for request in _requests([4, 4, 4, 4], 9):

@@ -135,7 +135,8 @@ def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> Non
     assert httpx.get(served.url + "/health").status_code == 200
     text = httpx.get(served.url + "/metrics").text
     for name in ("lab:num_requests_running", "lab:num_requests_waiting", "lab:kv_cache_usage_perc",
-                 "lab:time_to_first_token_seconds_bucket", "lab:time_per_output_token_seconds_count",
+                 "lab:time_to_first_token_seconds_bucket", "lab:request_time_per_output_token_seconds_count",
+                 "lab:inter_token_latency_seconds_count",
                  "lab:request_success_total"):
         assert name in text, f"{name} missing from /metrics"
 

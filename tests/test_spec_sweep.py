@@ -26,12 +26,12 @@ def _results(workload: str, proposer: str, k: int, concurrency: int, speedup: fl
     return {"workload": workload, "max_concurrency": concurrency, "total_output_tokens": 100,
             "mean_tpot_ms": 50.0 / speedup, "baseline/mean_tpot_ms": 50.0, "baseline/duration": 5.0,
             "spec/speedup_tpot": speedup, "spec/speedup_e2e": speedup * 0.9, "spec/same_output_as_baseline": True,
-            "spec/num_spec_tokens": k, "spec_decode_num_drafts": 40, "spec_decode_num_accepted_tokens": 30,
+            "spec/num_spec_tokens": k, "spec_decode_num_drafts": 40, "spec_decode_accepted_tokens": 30,
             "spec_decode_acceptance_rate": 100 * sum(accepted) / k,
             "spec_decode_acceptance_length": 1 + sum(accepted), "spec/tokens_per_target_forward": 1 + sum(accepted),
             "spec/draft_s": 0.1 * k, "spec/verify_s": 4.0, "phase/decode_s": 3.0, "phase/decode_steps": 60,
             "phase/draft_steps": 50,
-            **{f"spec_decode_per_position_acceptance_rate/{i}": a for i, a in enumerate(accepted)},
+            "spec_decode_per_position_acceptance_rates": list(accepted),
             "config": {"concurrency": concurrency, "engine": {"num_spec_tokens": k, "proposer": {
                 "_target_": target, **({"num_layers": 8} if proposer == "layerskip" else {"min_n": 1})}}}}
 

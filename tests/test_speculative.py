@@ -192,7 +192,7 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
     outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]
     assert outputs == expected
     if proposer not in ("layerskip", "ngram"):   # the trained drafters get some of their drafts accepted
-        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0, engine.stats()
+        assert engine.stats()["spec_decode_accepted_tokens"] > 0, engine.stats()
 
 
 @pytest.fixture
@@ -287,8 +287,8 @@ def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner) -
     section = table.split("Speculative Decoding")[1].splitlines()
     rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in section[1:-1])   # label  value
     assert rows["Drafts / draft tokens / accepted"] == (f"{stats['spec_decode_num_drafts']} / "
-                                                        f"{stats['spec_decode_num_draft_tokens']} / "
-                                                        f"{stats['spec_decode_num_accepted_tokens']}")
+                                                        f"{stats['spec_decode_draft_tokens']} / "
+                                                        f"{stats['spec_decode_accepted_tokens']}")
     assert rows["Acceptance length (tau)"] == f"{stats['spec_decode_acceptance_length']:.2f}"
     assert len(rows["Per-position acceptance (%)"].split(", ")) == 2, "one rate per drafted position (k = 2)"
     assert rows["TPOT speedup over ar"].endswith("x (same output)")

@@ -230,6 +230,6 @@ def test_tree_min_prob_keeps_only_the_runners_up_the_drafter_believes_in(tiny_ru
                                                                                   kv_cache_memory_mb=None))
         engine.run(make_requests(prompts, 12, ignore_eos=True))
         stats = engine.stats()
-        drafted[width, min_prob] = (stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"])
+        drafted[width, min_prob] = (stats["spec_decode_draft_tokens"], stats["spec_decode_accepted_tokens"])
     assert drafted[4, 1.0] == drafted[1, 0.0]
     assert drafted[1, 0.0][0] < drafted[4, 0.02][0] < drafted[4, 0.0][0], drafted

@@ -96,6 +96,8 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
                 if data == b"[DONE]":
                     break
                 message = json.loads(data)
+                if not isinstance(message, dict):   # NOTE: fails this request, not the run (ValueError below)
+                    raise ValueError(f"a stream message that is not a JSON object: {data[:100]!r}")
                 if message.get("error"):
                     output.error = f"stream error: {message['error']}"
                     return output

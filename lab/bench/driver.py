@@ -104,26 +104,26 @@ async def run_requests(session: aiohttp.ClientSession, target: Target, model: st
 async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[float],
                     max_concurrency: int | None = None, num_warmups: int = 0,
                     ready_timeout_s: float = 120.0, warmup_max_tokens: int | None = None) -> BenchmarkRun:
-    """One ready check, a probe (the first request), `num_warmups` unmeasured requests (copies of the first
-    ones, as vLLM's), then the run; the server's speculative-decoding and prefix-cache counters are read before
+    """One ready check, a probe (the first request), `num_warmups` unmeasured copies of the probe (as vLLM's:
+    copies of other requests would reach the run with their prompts already in the prefix cache), then the run; the server's speculative-decoding and prefix-cache counters are read before
     and after the measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups
     generate at most that many tokens (None: their request's own length), so a server that learns from what it
     serves (suffix decoding's history) is not handed the measured answers in advance."""
-    unmeasured = [request if warmup_max_tokens is None
-                  else dataclasses.replace(request, output_len=min(request.output_len, warmup_max_tokens))
-                  for request in requests[:max(1, num_warmups)]]
+    first = requests[0]
+    unmeasured = (first if warmup_max_tokens is None
+                  else dataclasses.replace(first, output_len=min(first.output_len, warmup_max_tokens)))
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=target.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await wait_ready(session, target, ready_timeout_s)
-        probe = await send(session, target.url, build_payload(unmeasured[0], target.api, model, target.extra_body),
-                           target.api, unmeasured[0].prompt_len)
+        probe = await send(session, target.url, build_payload(unmeasured, target.api, model, target.extra_body),
+                           target.api, unmeasured.prompt_len)
         if not probe.success:
             raise LabError(f"the first test request to {target.url} failed: {probe.error}",
                            "check the endpoint, `api` (completions | chat) and `model`")
         if num_warmups:
-            warmups = [unmeasured[i % len(unmeasured)] for i in range(num_warmups)]
-            await run_requests(session, target, model, warmups, [0.0] * num_warmups, max_concurrency)
+            await run_requests(session, target, model, [unmeasured] * num_warmups, [0.0] * num_warmups,
+                               max_concurrency)
         before = await read_server_counters(session, target.prometheus_url)
         outputs, duration = await run_requests(session, target, model, requests, offsets, max_concurrency)
         after = await read_server_counters(session, target.prometheus_url)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from lab.bench.client import StreamOutput
-from lab.metrics.summary import DEFAULT_PERCENTILES, latency_stats, meets_slo
+from lab.metrics.summary import DEFAULT_PERCENTILES, check_slo, latency_stats, meets_slo
 
 
 def output_len(output: StreamOutput, tokenizer: Any | None) -> int:
@@ -62,7 +62,7 @@ def calculate(outputs: list[StreamOutput], duration: float, tokenizer: Any | Non
     for o, n in zip(completed, lens):
         tpot = (o.latency - o.ttft) / (n - 1) * 1000 if n > 1 else None
         per_request.append({"ttft_ms": o.ttft * 1000, "tpot_ms": tpot, "e2el_ms": o.latency * 1000})
-    slo = {k: v for k, v in (slo or {}).items() if v is not None}
+    slo = check_slo(slo, "slo")
     total_input = sum(o.prompt_len for o in completed)
     total_output = sum(lens)
     duration = max(duration, 1e-9)

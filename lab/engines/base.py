@@ -54,6 +54,11 @@ class Engine(ABC):
         """(bytes reserved for KV, bytes holding live tokens) right now; engines with a cache override."""
         return 0, 0
 
+    def kv_cache_usage(self) -> float | None:
+        """vLLM's `kv_cache_usage_perc`: the share of a fixed KV pool's blocks that requests hold (0-1); None
+        where the cache has no fixed pool (it grows with the batch)."""
+        return None
+
     def reset_caches(self) -> None:
         """Forget what earlier requests left behind that would serve a later one (prefix-cached KV,
         a proposer's token history): lab.run calls it after the warm-ups, which copy measured requests."""

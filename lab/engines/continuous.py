@@ -193,6 +193,10 @@ class ContinuousBatchingEngine(Engine):
         reserved, used = self._kv_tokens()
         return reserved * self.kv_bytes_per_token, used * self.kv_bytes_per_token
 
+    def kv_cache_usage(self) -> float:
+        # NOTE: a cached block no request holds is free, as in vLLM's block pool
+        return self.kv_manager.num_held_blocks / self.kv_manager.num_blocks
+
     def reset_caches(self) -> None:
         self.kv_manager.reset_prefix_cache()
 

@@ -205,6 +205,10 @@ class HFCBEngine(Engine):
         self._last_kv_usage = (reserved, max(0, int(reserved - free)))
         return self._last_kv_usage
 
+    def kv_cache_usage(self) -> float:
+        pool, in_use = self.kv_usage()
+        return in_use / pool if pool else 0.0
+
     def stats(self) -> dict[str, float]:
         return {**super().stats(), "hf_cb/per_token_timestamps": 1.0, "hf_cb/block_size": self.block_size,
                 "hf_cb/missing_timestamps": self.num_missing_timestamps, **self.resolved}

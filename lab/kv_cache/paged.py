@@ -44,7 +44,7 @@ class PagedKVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_published: dict[str, int] = {}   # leading blocks of a request already in the cache
-        self.num_query_tokens = 0                   # prompt tokens looked up at admission
+        self.num_query_tokens = 0                   # prompt tokens looked up at first admission
         self.num_hit_tokens = 0                     # of those, served from the prefix cache
 
     def can_fit(self, num_tokens: int) -> bool:
@@ -89,8 +89,9 @@ class PagedKVCacheManager:
         if num_new_blocks > num_free:
             return False
         if not blocks:
-            self.num_query_tokens += request.num_tokens
-            self.num_hit_tokens += prefix.num_tokens
+            if not request.num_preemptions:   # NOTE: vLLM counts a readmission's own blocks found again apart
+                self.num_query_tokens += request.num_tokens
+                self.num_hit_tokens += prefix.num_tokens
             self._num_published[request.request_id] = len(prefix.blocks)
         self.pool.touch(list(prefix.blocks))
         blocks = blocks + list(prefix.blocks) + self.pool.get_new_blocks(max(0, num_new_blocks))

@@ -67,11 +67,9 @@ def speculative_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     draft / verify time split and, when the run measured it, the speedup over its baseline; [] without speculation."""
     if "spec_decode_num_drafts" not in results:
         return []
-    per_position = [results[key] for key in sorted((k for k in results
-                                                    if k.startswith("spec_decode_per_position_acceptance_rate/")),
-                                                   key=lambda k: int(k.rsplit("/", 1)[1]))]
+    per_position = results.get("spec_decode_per_position_acceptance_rates", [])
     rows = [("Drafts / draft tokens / accepted", f"{results['spec_decode_num_drafts']} / "
-             f"{results['spec_decode_num_draft_tokens']} / {results['spec_decode_num_accepted_tokens']}"),
+             f"{results['spec_decode_draft_tokens']} / {results['spec_decode_accepted_tokens']}"),
             ("Acceptance rate (%)", f"{results['spec_decode_acceptance_rate']:.1f}"),
             ("Acceptance length (tau)", f"{results['spec_decode_acceptance_length']:.2f}")]
     if per_position:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lab.engines.base import Engine, RunResult
-from lab.metrics.summary import detailed_lists, summarize
+from lab.metrics.summary import check_slo, detailed_lists, summarize
 
 SCHEMA_VERSION = 1
 
@@ -21,7 +21,7 @@ class MetricsSuite:
                  slo: dict[str, float | None] | None = None, save_detailed: bool = False,
                  utilization: bool = True, utilization_interval_s: float = 0.1) -> None:
         self.percentiles = tuple(float(p) for p in percentiles)
-        self.slo = dict(slo or {})
+        self.slo = check_slo(slo)
         self.save_detailed = save_detailed
         self.utilization = utilization
         self.utilization_interval_s = utilization_interval_s

@@ -2,22 +2,42 @@
 
 TTFT = first token - arrival (the time the request was sent); E2EL = last token - arrival;
 TPOT = (E2EL - TTFT) / (output_len - 1) per request with more than one token; ITL = every gap between
-consecutive tokens, pooled over requests (per token: `itl_token_normalized`); queue time = first
-scheduled - arrival. Throughputs divide by the run's duration; goodput counts requests meeting every
+consecutive steps that gave the request tokens, pooled over requests (vLLM's client times SSE chunks, and a
+step's tokens, several under speculation, stream as one chunk); queue time = first scheduled - arrival. Throughputs divide by the run's duration; goodput counts requests meeting every
 configured SLO. Owns: numbers. Ignores: engines.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from lab.errors import LabError
 from lab.request import Request, RequestStatus
 
 DEFAULT_PERCENTILES = (50, 90, 95, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "queue")
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")   # vLLM's --goodput ttft:N tpot:N e2el:N, in ms
+
+
+def check_slo(slo: Mapping[str, Any] | None, where: str = "metrics.slo") -> dict[str, float]:
+    """The goodput SLOs that are set (null = not set), checked as vLLM checks --goodput: a known metric and a
+    limit >= 0 in ms. A misspelt key would otherwise leave goodput equal to the request throughput."""
+    limits: dict[str, float] = {}
+    for key, limit in (slo or {}).items():
+        if key not in SLO_KEYS:
+            raise LabError(f"{where}.{key} is not a goodput SLO",
+                           f"use {', '.join(f'{where}.{k}' for k in SLO_KEYS)} (limits in ms; null = not set)")
+        if limit is None:
+            continue
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+            raise LabError(f"{where}.{key} must be a number of ms >= 0 or null, got {limit!r}",
+                           f"e.g. {where}.{key}=500")
+        limits[key] = float(limit)
+    return limits
 
 
 def request_latencies(request: Request) -> dict[str, Any]:
@@ -29,16 +49,22 @@ def request_latencies(request: Request) -> dict[str, Any]:
         return {"ttft_ms": None, "tpot_ms": None, "itl_ms": [], "e2el_ms": None, "queue_ms": queue}
     ttft = (times[0] - request.arrival_time) * 1000
     e2el = (times[-1] - request.arrival_time) * 1000
-    itl = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    # NOTE: tokens of one step share its timestamp; their zero gaps are not latencies a user sees
+    itl = [(b - a) * 1000 for a, b in zip(times, times[1:]) if b != a]
     tpot = (e2el - ttft) / (len(times) - 1) if len(times) > 1 else None
     return {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl, "e2el_ms": e2el, "queue_ms": queue}
+
+
+def percentile_word(p: float) -> str:
+    """vLLM's key for a percentile: 99 -> "99", 99.9 -> "99.9" (never rounded: 99.99999 is not p100)."""
+    return str(int(p)) if int(p) == p else str(p)
 
 
 def latency_stats(name: str, values: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     data = np.asarray(values, dtype=np.float64) if values else np.zeros(1)
     out = {f"mean_{name}_ms": float(data.mean()), f"median_{name}_ms": float(np.median(data)),
            f"std_{name}_ms": float(data.std()), f"max_{name}_ms": float(data.max())}
-    out.update({f"p{p:g}_{name}_ms": float(np.percentile(data, p)) for p in percentiles})
+    out.update({f"p{percentile_word(p)}_{name}_ms": float(np.percentile(data, p)) for p in percentiles})
     return out
 
 
@@ -81,7 +107,7 @@ def summarize(requests: list[Request], duration: float, start: float | None = No
     total_input = sum(r.num_prompt_tokens for r in completed)
     total_output = sum(r.num_output_tokens for r in completed)
     duration = max(duration, 1e-9)
-    slo = {k: v for k, v in (slo or {}).items() if v is not None}
+    slo = check_slo(slo)
     result: dict[str, Any] = {
         "num_prompts": len(requests), "completed": len(completed), "failed": len(requests) - len(completed),
         "duration": duration, "total_input_tokens": total_input, "total_output_tokens": total_output,
@@ -90,7 +116,6 @@ def summarize(requests: list[Request], duration: float, start: float | None = No
         "request_goodput": (sum(meets_slo(m, slo) for m in per_request) / duration) if slo else None,
         "max_output_tokens_per_s": peak_output_rate(completed, start if start is not None else 0.0),
         "max_concurrent_requests": peak_concurrency(completed),
-        "itl_token_normalized": True,
     }
     series = {
         "ttft": [m["ttft_ms"] for m in per_request],
@@ -122,7 +147,7 @@ def detailed_lists(requests: list[Request], tokenizer: Any | None = None) -> dic
             "output_lens": [r.num_output_tokens for r in requests],
             # NOTE: seconds, as vLLM's detailed lists are
             "ttfts": [_seconds(m["ttft_ms"]) for m in lat], "itls": [[x / 1000 for x in m["itl_ms"]] for m in lat],
-            "e2els": [_seconds(m["e2el_ms"]) for m in lat],
+            "latencies": [_seconds(m["e2el_ms"]) for m in lat], "start_times": [r.arrival_time for r in requests],
             "generated_texts": [tokenizer.decode(r.output_token_ids) if tokenizer is not None else None
                                 for r in requests],
             "errors": [r.error or "" for r in requests]}

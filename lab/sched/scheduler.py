@@ -119,6 +119,7 @@ class Scheduler:
         self.kv_manager.free(request)          # before the reset: free() reads num_computed_tokens
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted_request_ids.append(request.request_id)
         self.num_preemptions += 1

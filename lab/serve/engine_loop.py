@@ -52,6 +52,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_reserved_bytes: int = 0
     kv_used_bytes: int = 0
+    kv_cache_usage: float | None = None   # vLLM's kv_cache_usage_perc (0-1); None without a fixed KV pool
     num_steps: int = 0
     spec: SpecCounters | None = None   # a speculative engine's cumulative draft / acceptance counts; else None
     prefix_cache: PrefixCacheCounters | None = None   # a paged KV cache's cumulative prefix lookups; else None
@@ -191,7 +192,8 @@ class EngineLoop:
         prefix_counters = getattr(getattr(self.engine, "kv_manager", None), "prefix_cache_counters", None)
         self.stats = EngineStats(num_running=max(0, len(self.tracked) - num_engine_waiting),
                                  num_waiting=num_engine_waiting + self.inbox.qsize(), kv_reserved_bytes=reserved,
-                                 kv_used_bytes=used, num_steps=self.stats.num_steps + 1,
+                                 kv_used_bytes=used, kv_cache_usage=self.engine.kv_cache_usage(),
+                                 num_steps=self.stats.num_steps + 1,
                                  spec=spec_counters() if spec_counters is not None else None,
                                  prefix_cache=prefix_counters() if prefix_counters is not None else None)
 

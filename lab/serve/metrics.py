@@ -12,10 +12,11 @@ from lab.kv_cache.counters import PrefixCacheCounters
 from lab.serve.engine_loop import EngineStats
 from lab.spec.counters import SpecCounters
 
+# NOTE: vLLM's upper ranges (a long request under load takes minutes); finer at the bottom for CPU-sized models
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                     10.0, 20.0, 40.0, 80.0)
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, 7680.0)
 TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                   0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+                   0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class ServerMetrics:
@@ -27,14 +28,21 @@ class ServerMetrics:
         self.num_waiting = Gauge("lab:num_requests_waiting", "Requests queued for the engine.", labels, registry=r)
         self.num_outstanding = Gauge("lab:num_requests_outstanding", "Requests accepted and not yet answered.",
                                      labels, registry=r)
-        self.kv_usage = Gauge("lab:kv_cache_usage_perc", "KV bytes holding live tokens / KV bytes reserved (0-1).",
-                              labels, registry=r)
-        self.kv_used = Gauge("lab:kv_cache_used_bytes", "KV bytes holding live tokens.", labels, registry=r)
-        self.kv_reserved = Gauge("lab:kv_cache_reserved_bytes", "KV bytes allocated.", labels, registry=r)
+        self.kv_usage = Gauge("lab:kv_cache_usage_perc", "Share of the KV pool's blocks held by requests (0-1; 1 = "
+                              "full); 0 for engines whose cache has no fixed pool.", labels, registry=r)
+        self.kv_used = Gauge("lab:kv_cache_used_bytes", "KV bytes holding live tokens (a shared prefix counts once "
+                             "per request).", labels, registry=r)
+        self.kv_reserved = Gauge("lab:kv_cache_reserved_bytes", "KV bytes reserved (by running requests; the whole pool "
+                                 "where the engine takes it up front, hf_cb).", labels,
+                                 registry=r)
         self.ttft = Histogram("lab:time_to_first_token_seconds", "Arrival to first token.", labels,
                               buckets=LATENCY_BUCKETS_S, registry=r)
-        self.tpot = Histogram("lab:time_per_output_token_seconds", "Per request: (E2EL - TTFT) / (tokens - 1).",
-                              labels, buckets=TOKEN_BUCKETS_S, registry=r)
+        self.itl = Histogram("lab:inter_token_latency_seconds", "Between consecutive steps that gave a request "
+                             "tokens (a speculative step's tokens come together).", labels, buckets=TOKEN_BUCKETS_S,
+                             registry=r)
+        self.tpot = Histogram("lab:request_time_per_output_token_seconds", "Per request: (E2EL - TTFT) / (tokens - 1); "
+                              "0 for a one-token request, as vLLM records it.", labels, buckets=TOKEN_BUCKETS_S,
+                              registry=r)
         self.e2el = Histogram("lab:e2e_request_latency_seconds", "Arrival to last token.", labels,
                               buckets=LATENCY_BUCKETS_S, registry=r)
         self.finished = Counter("lab:request_success", "Finished requests by finish reason.",
@@ -56,8 +64,10 @@ class ServerMetrics:
         ttft, e2el = token_times[0] - arrival, token_times[-1] - arrival
         self.ttft.labels(m).observe(ttft)
         self.e2el.labels(m).observe(e2el)
-        if len(token_times) > 1:
-            self.tpot.labels(m).observe((e2el - ttft) / (len(token_times) - 1))
+        self.tpot.labels(m).observe((e2el - ttft) / (len(token_times) - 1) if len(token_times) > 1 else 0.0)
+        for earlier, later in zip(token_times, token_times[1:]):
+            if later != earlier:   # NOTE: one step's tokens share its timestamp
+                self.itl.labels(m).observe(later - earlier)
 
     def render(self, stats: EngineStats, num_outstanding: int) -> bytes:
         m = self.model_name
@@ -66,7 +76,7 @@ class ServerMetrics:
         self.num_outstanding.labels(m).set(num_outstanding)
         self.kv_used.labels(m).set(stats.kv_used_bytes)
         self.kv_reserved.labels(m).set(stats.kv_reserved_bytes)
-        self.kv_usage.labels(m).set(stats.kv_used_bytes / stats.kv_reserved_bytes if stats.kv_reserved_bytes else 0.0)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage or 0.0)
         if stats.spec is not None:
             if self.spec is None:
                 self.spec = SpecMetrics(self.registry)

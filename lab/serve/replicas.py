@@ -205,6 +205,8 @@ class ReplicaRouter:
             total.num_waiting += s.num_waiting
             total.kv_reserved_bytes += s.kv_reserved_bytes
             total.kv_used_bytes += s.kv_used_bytes
+            if s.kv_cache_usage is not None:   # NOTE: replicas' pools are the same size: the mean is the pooled share
+                total.kv_cache_usage = (total.kv_cache_usage or 0.0) + s.kv_cache_usage / len(self.replicas)
             total.num_steps += s.num_steps
             if s.spec is not None:
                 total.spec = s.spec if total.spec is None else total.spec + s.spec

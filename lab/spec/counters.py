@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import zip_longest
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +33,17 @@ class SpecCounters:
                             self.num_accepted_tokens - earlier.num_accepted_tokens,
                             _add(self.accepted_per_position, tuple(-n for n in earlier.accepted_per_position)))
 
-    def summary(self) -> dict[str, float]:
-        """vLLM's derived figures under the names lab's results.json uses: acceptance rate (%) = accepted /
+    def summary(self) -> dict[str, Any]:
+        """vLLM's derived figures under `vllm bench serve`'s result names: acceptance rate (%) = accepted /
         drafted tokens, acceptance length = 1 + accepted / drafts (the bonus token included), and per position
         the share of drafts whose token there was accepted."""
         drafts = max(1, self.num_drafts)
-        fields = {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                  "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                  "spec_decode_acceptance_rate": 100.0 * self.num_accepted_tokens / max(1, self.num_draft_tokens),
-                  "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts}
-        for position, accepted in enumerate(self.accepted_per_position):
-            fields[f"spec_decode_per_position_acceptance_rate/{position}"] = accepted / drafts
-        return fields
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_draft_tokens": self.num_draft_tokens,
+                "spec_decode_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_acceptance_rate": 100.0 * self.num_accepted_tokens / max(1, self.num_draft_tokens),
+                "spec_decode_acceptance_length": 1.0 + self.num_accepted_tokens / drafts,
+                "spec_decode_per_position_acceptance_rates": [accepted / drafts
+                                                              for accepted in self.accepted_per_position]}
 
 
 def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,5 +1,8 @@
 """Arrival processes, vLLM's: `request_rate` requests/s (inf = everything at t0) with gamma-distributed
-inter-arrival gaps of shape `burstiness` (1 = Poisson; < 1 burstier, > 1 more uniform), seeded.
+inter-arrival gaps of shape `burstiness` (1 = Poisson; < 1 burstier, > 1 more uniform; inf = evenly spaced),
+seeded. As in vLLM's `bench serve` (since v0.10), each of the N requests waits one gap and the offsets are
+rescaled so the last request is sent at exactly N / rate: every seed offers the same load, so throughputs
+compare across seeds.
 
 Owns: arrival offsets. Ignores: what the requests contain. `max_concurrency` (closed loop) is applied by
 the engine's run loop, which holds a request back until one in flight finishes.
@@ -34,13 +37,20 @@ class ArrivalProcess:
                            "use null for an open loop")
 
     def offsets(self, num_requests: int) -> list[float]:
-        """Arrival offsets in seconds; the first request arrives at 0, as in vLLM's benchmark."""
+        """Arrival offsets in seconds from the start of the run (vLLM's `get_request` delays)."""
         if math.isinf(self.request_rate) or num_requests == 0:
             return [0.0] * num_requests
-        rng = np.random.default_rng(self.seed)
-        theta = 1.0 / (self.request_rate * self.burstiness)  # gamma scale: mean gap = 1 / rate
-        gaps = rng.gamma(shape=self.burstiness, scale=theta, size=num_requests - 1)
-        return [0.0, *np.cumsum(gaps).tolist()]
+        if math.isinf(self.burstiness):
+            gaps = np.full(num_requests, 1.0 / self.request_rate)
+        else:
+            rng = np.random.default_rng(self.seed)
+            theta = 1.0 / (self.request_rate * self.burstiness)  # gamma scale: mean gap = 1 / rate
+            gaps = rng.gamma(shape=self.burstiness, scale=theta, size=num_requests)
+        arrivals = np.cumsum(gaps)
+        if arrivals[-1] > 0:
+            # NOTE: vLLM's rescale: summed gaps miss N / rate by a few %, which moves throughput between seeds
+            arrivals *= (num_requests / self.request_rate) / arrivals[-1]
+        return arrivals.tolist()
 
     def assign(self, requests: list[Request]) -> list[Request]:
         for request, offset in zip(requests, self.offsets(len(requests))):
