@@ -6,10 +6,14 @@ Owns: token progress (`num_computed_tokens`), outputs, timestamps. Ignores: tens
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from lab.errors import LabError
+
+SAMPLING_EPS = 1e-5        # vLLM's: a temperature below it is greedy (dividing logits by it overflows)
+SEED_RANGE = (-2**63, 2**63 - 1)   # vLLM's: a 64-bit signed seed
 
 
 @dataclass(slots=True)
@@ -28,14 +32,25 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise LabError(f"max_tokens must be > 0, got {self.max_tokens}",
                            "set workload.max_tokens (or the request's max_tokens) to a positive integer")
-        if self.temperature < 0:
-            raise LabError(f"temperature must be >= 0, got {self.temperature}", "use 0 for greedy decoding")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise LabError(f"temperature must be a finite number >= 0, got {self.temperature}",
+                           "use 0 for greedy decoding")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise LabError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise LabError(f"seed must be a 64-bit signed integer, got {self.seed}",
+                           f"use a seed in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:
+    """The token ids that end a request: its stop_token_ids, and EOS unless ignore_eos (vLLM's meaning)."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
 
 
 class RequestStatus(enum.Enum):
@@ -93,7 +108,8 @@ class Request:
         self.output_token_ids.append(token_id)
         self.token_times.append(time.perf_counter() if now is None else now)
         params = self.sampling_params
-        if not params.ignore_eos and (token_id in eos_token_ids or token_id in params.stop_token_ids):
+        # NOTE: vLLM's meaning: ignore_eos skips the EOS check only; stop_token_ids still stop
+        if (token_id in eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             self.finish(RequestStatus.FINISHED_STOPPED)
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(RequestStatus.FINISHED_LENGTH)

@@ -216,6 +216,20 @@ def test_greedy_speculation_with_trained_drafters_is_lossless(trained: dict, kin
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_drafting_at_the_end_of_the_context_is_lossless(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    """prompt + max_tokens fills the target's 2048 positions: EAGLE's chain of 4 and DFlash's block run past the
+    last position near the end (those drafts are trimmed) and must not index past their RoPE tables."""
+    max_len = tiny_runner.max_model_len
+    prompt = (_prompts(16, seed=3)[9] * 200)[:max_len - 12]
+    expected = AREngine(tiny_runner).run(make_requests([prompt], 12, ignore_eos=True)).requests[0].output_token_ids
+    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=4 if kind == "eagle" else 3,
+                               scheduler=SchedulerConfig(max_num_seqs=1),
+                               kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=160, kv_cache_memory_mb=None))
+    served = engine.run(make_requests([prompt], 12, ignore_eos=True)).requests[0]
+    assert served.error is None and served.output_token_ids == expected
+
+
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
 @pytest.mark.parametrize("max_num_seqs", [1, 4])
 def test_prefix_cache_hits_bring_their_features_along(trained: dict, kind: str, max_num_seqs: int,
                                                       tiny_runner: ModelRunner) -> None:

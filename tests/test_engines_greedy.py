@@ -55,9 +55,39 @@ def test_eos_stops_unless_ignore_eos(tiny_runner: ModelRunner) -> None:
     stopped = AREngine(tiny_runner).run(make_requests([prompt], 12, stop_token_ids=[stop_at])).requests[0]
     assert stopped.output_token_ids == free_run.output_token_ids[:first + 1]
     assert stopped.status is RequestStatus.FINISHED_STOPPED
-    ignored = AREngine(tiny_runner).run(make_requests([prompt], 12, stop_token_ids=[stop_at],
-                                                      ignore_eos=True)).requests[0]
-    assert ignored.num_output_tokens == 12, f"ignore_eos produced {ignored.num_output_tokens} tokens, wanted 12"
+    # NOTE: vLLM's meaning: ignore_eos skips EOS only; a stop token still stops
+    still_stopped = AREngine(tiny_runner).run(make_requests([prompt], 12, stop_token_ids=[stop_at],
+                                                            ignore_eos=True)).requests[0]
+    assert still_stopped.output_token_ids == stopped.output_token_ids
+
+
+@pytest.mark.parametrize("engine_name", ["ar", "hf_batch3"])
+def test_ignore_eos_runs_past_eos_to_max_tokens(engine_name: str, tiny_runner: ModelRunner) -> None:
+    prompt = _random_prompts(1, tiny_runner.vocab_size, seed=5)[0]
+    free_run = AREngine(tiny_runner).run(make_requests([prompt], 12, ignore_eos=True)).requests[0]
+    eos = free_run.output_token_ids[4]
+    tiny_runner.eos_token_ids.add(eos)   # NOTE: a token greedy decoding emits early stands in for EOS
+    try:
+        ignored = ENGINES[engine_name](tiny_runner).run(make_requests([prompt], 12, ignore_eos=True)).requests[0]
+        stopped = ENGINES[engine_name](tiny_runner).run(make_requests([prompt], 12)).requests[0]
+    finally:
+        tiny_runner.eos_token_ids.discard(eos)
+    assert ignored.output_token_ids == free_run.output_token_ids and ignored.status is RequestStatus.FINISHED_LENGTH
+    assert stopped.output_token_ids[-1] == eos and stopped.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_hf_batches_only_requests_that_stop_alike(tiny_runner: ModelRunner) -> None:
+    """One generate() call stops every row at the same ids: a request with other stop tokens waits for a batch of
+    its own instead of being cut at its neighbour's stop token (or failing the batch)."""
+    prompts = _random_prompts(3, tiny_runner.vocab_size, seed=8)
+    free = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 10, ignore_eos=True)).requests]
+    stop = free[1][3]   # NOTE: r1 generates it: a batch stopping every row at r0's stop tokens would cut r1 there
+    requests = make_requests(prompts, 10, ignore_eos=True)
+    requests[0].sampling_params.stop_token_ids = [stop]
+    expected = [free[0][:free[0].index(stop) + 1] if stop in free[0] else free[0], free[1], free[2]]
+    result = HFEngine(tiny_runner, batch_size=3).run(requests)
+    assert [r.output_token_ids for r in result.requests] == expected
+    assert [r.error for r in result.requests] == [None] * 3
 
 
 def test_every_token_is_timestamped_in_order(tiny_runner: ModelRunner) -> None:

@@ -78,6 +78,11 @@ def test_cache_is_sized_from_our_settings(tiny_runner: ModelRunner) -> None:
         tiny_budget.run(_mixed_requests(2, prompt_seed=3))
 
 
+def test_no_requests_is_an_empty_run(tiny_runner: ModelRunner) -> None:
+    result = HFCBEngine(tiny_runner, block_size=16).run([])
+    assert result.requests == [] and result.duration == 0.0
+
+
 def test_mixed_sampling_settings_are_a_clear_error(tiny_runner: ModelRunner) -> None:
     requests = _mixed_requests(2, prompt_seed=4)
     requests[1].sampling_params.temperature = 0.7

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
+from lab.engines.base import request_seed
+from lab.errors import LabError
 from lab.request import SamplingParams
 from lab.sample import Sampler
 from lab.sample.sampler import filter_logits, make_generator
@@ -52,3 +59,25 @@ def test_sampling_follows_the_distribution() -> None:
         counts[sampler.sample(logits, [params], [generator])[0]] += 1
     expected = logits[0].softmax(-1) * 3000
     assert ((counts - expected).abs() < 5 * expected.sqrt() + 10).all(), f"counts {counts} vs expected {expected}"
+
+
+def test_sampling_settings_that_would_break_a_step_are_refused_or_made_greedy() -> None:
+    """vLLM's: a temperature under 1e-5 is greedy (logits / 1e-40 overflow to inf); NaN and out-of-range seeds
+    are refused when the request is made, not when a batch is mid-step."""
+    assert SamplingParams(temperature=1e-40).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    for bad, message in [({"temperature": float("nan")}, "temperature must be a finite number"),
+                         ({"temperature": float("inf")}, "temperature must be a finite number"),
+                         ({"seed": 2**63}, "seed must be a 64-bit signed integer")]:
+        with pytest.raises(LabError, match=message):
+            SamplingParams(**bad)
+    make_generator(SamplingParams(seed=-2**63).seed, torch.device("cpu"))   # the range's ends are valid torch seeds
+    make_generator(SamplingParams(seed=2**63 - 1).seed, torch.device("cpu"))
+
+
+def test_an_unseeded_requests_seed_is_the_same_in_every_process() -> None:
+    """Python salts str hashes per process; the engine's per-request seed must not depend on it, or `seed=0` runs
+    sample differently each time."""
+    code = "from lab.engines.base import request_seed; print(request_seed(0, 'random-3'))"
+    seeds = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": salt},
+                            capture_output=True, text=True, check=True).stdout.strip() for salt in ("1", "2")}
+    assert seeds == {str(request_seed(0, "random-3"))} and request_seed(0, "random-3") != request_seed(1, "random-3")

@@ -179,6 +179,18 @@ def test_no_admission_in_a_step_that_preempted() -> None:
             assert not out.scheduled_new_request_ids, f"admitted {out.scheduled_new_request_ids} while preempting"
 
 
+def test_a_request_id_already_in_flight_is_refused() -> None:
+    """The scheduler, KV manager and generators key their state by request id: a second request with a live id
+    would corrupt them, so it is refused before it is queued (vLLM refuses it too)."""
+    engine = _engine()
+    first, again = _requests([4], 3)[0], _requests([5], 3)[0]
+    engine.add_request(first)
+    with pytest.raises(LabError, match="request id r0 is already in flight"):
+        engine.add_request(again)
+    _drain(engine, [])
+    engine.add_request(again)   # once finished, the id is free again
+
+
 def test_engine_validation_rejects_a_request_that_can_never_fit() -> None:
     engine = _engine(num_blocks=4, block_size=4)             # 16 tokens of KV in all
     engine.validate(_requests([3], 14)[0])                   # 3 + 14 - 1 = 16 tokens: fits

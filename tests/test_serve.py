@@ -6,6 +6,8 @@ stop strings, seeds, /v1/models, /health, /metrics, OpenAI-style 4xx bodies, and
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -179,6 +181,13 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("token id out of range", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
     ("prompt over the context", {"model": MODEL, "prompt": [5] * 2048, "max_tokens": 1}, 400, "prompt"),
     ("generation over the context", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 2040}, 400, "max_tokens"),
+    ("temperature NaN", b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, None),
+    ("seed past 64 bits", {"model": MODEL, "prompt": "hi", "temperature": 1.0, "seed": 2**70}, 400, "seed"),
+    ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("a penalty", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1.5}, 400, "frequency_penalty"),
+    ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
 ]
 
 
@@ -193,6 +202,63 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(served: Served, na
     assert error["param"] == param, error
     ok = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_off_values_of_unsupported_options_nulls_and_a_tiny_temperature_are_served(served: Served) -> None:
+    """What clients send by default (logprobs false, penalties 0, tool_choice auto, null for optional fields)
+    is served; a temperature under vLLM's 1e-5 is greedy instead of overflowing the step for every request."""
+    greedy = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    expected = httpx.post(served.url + "/v1/completions", json=greedy).json()["choices"][0]["text"]
+    for extra in ({"logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0, "tool_choice": "auto",
+                   "response_format": {"type": "text"}, "logit_bias": {}},
+                  {"n": None, "stream": None, "echo": None, "ignore_eos": None}, {"temperature": 1e-45}):
+        response = httpx.post(served.url + "/v1/completions", json={**greedy, **extra})
+        assert response.status_code == 200, f"{extra}: {response.text}"
+        assert response.json()["choices"][0]["text"] == expected, extra
+
+
+def test_a_stop_string_in_the_last_allowed_token_still_finishes_with_stop(client: openai.OpenAI) -> None:
+    """vLLM's: the stop string decides the finish reason even in the step that reached max_tokens."""
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    assert full.finish_reason == "length"
+    stop = full.text[-2:]
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                        stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == full.text[:full.text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop", stream
+
+
+def test_shutdown_aborts_what_outlives_the_drain_and_ends_its_stream(tiny_text_runner: ModelRunner) -> None:
+    """A stream still running when drain_timeout_s runs out is aborted with a last chunk (finish_reason "abort")
+    and [DONE], not cut off mid-body; /health says 503 while the server drains."""
+    server = OpenAIServer(ThreadEngineClient(AREngine(tiny_text_runner)), tiny_text_runner.tokenizer,
+                          tiny_text_runner.vocab_size, ServeOptions(MODEL, drain_timeout_s=0.5))
+    thread = ServerThread(create_app(server), drain_timeout_s=0.5).start()
+    lines: list[str] = []
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    def stream() -> None:
+        with httpx.stream("POST", thread.url + "/v1/completions", json=body, timeout=60) as response:
+            lines.extend(line for line in response.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(lines) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopper = threading.Thread(target=thread.stop)
+    stopper.start()
+    while not server.is_draining and time.monotonic() < deadline:
+        time.sleep(0.01)
+    reader.join(30)
+    stopper.join(30)
+    assert server.is_draining and lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "abort" and chunks[-1]["usage"]["completion_tokens"] > 0
 
 
 def test_chat_bad_messages_are_400(served: Served) -> None:

@@ -79,6 +79,28 @@ def test_greedy_speculation_is_lossless_on_tiny(proposer: str, max_num_seqs: int
         assert stats["spec_decode_acceptance_rate"] < 50.0
 
 
+@pytest.mark.parametrize("proposer", ["draft_model", "layerskip"])
+def test_drafting_at_the_end_of_the_context_is_lossless(proposer: str) -> None:
+    """prompt + max_tokens fills a 48-position model: near the end the drafter still runs k = 4 drafts, some past
+    the last position (the engine trims them), and must not index past its RoPE table. A second, short request in
+    the same steps must not be failed with it."""
+    source = tiny(seed=0, vocab_size=128, with_tokenizer=False, max_position_embeddings=48)
+    runner = ModelRunner(source, dtype="float32", device="cpu")
+    config = (DraftModelProposerConfig(source=tiny(seed=7, vocab_size=128, with_tokenizer=False,
+                                                   max_position_embeddings=48))
+              if proposer == "draft_model" else LayerSkipProposerConfig(num_layers=1))
+    prompts, max_tokens = [_repetitive_prompts(1, seed=2)[0] * 8, [5, 6, 7]], [18, 24]
+    prompts[0] = prompts[0][:48 - 18]
+    expected = [_ar_outputs(runner, [p], n)[0] for p, n in zip(prompts, max_tokens)]
+    engine = SpeculativeEngine(runner, config, num_spec_tokens=4, scheduler=SchedulerConfig(max_num_seqs=2),
+                               kv_cache=KV)
+    requests = [make_requests([p], n, ignore_eos=True)[0] for p, n in zip(prompts, max_tokens)]
+    requests[1].request_id = "short"
+    result = engine.run(requests)
+    assert [r.error for r in result.requests] == [None, None]
+    assert [r.output_token_ids for r in result.requests] == expected
+
+
 def test_zero_spec_tokens_reproduces_the_plain_engine(tiny_source, tiny_runner: ModelRunner) -> None:
     prompts = _repetitive_prompts(4, seed=2)
     scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)

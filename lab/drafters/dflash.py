@@ -201,7 +201,7 @@ class DFlashDrafter(nn.Module):
         -> hidden (S, R, H) of the block `rows` (default all Q); the target's norm + LM head turn it into logits.
         NOTE: the last layer computes only those rows after its attention (a drafter that verifies 1 of 7 drafts
         pushes 1 row, not 8, through o_proj and the MLP); each row's result is unchanged."""
-        cos, sin = self.rotary(block_positions)
+        cos, sin = self.rotary(self.rotary.clamp_draft_positions(block_positions))
         x = block_embeds
         last = len(self.layers) - 1
         for i, (layer, (k, v)) in enumerate(zip(self.layers, context_kv)):

@@ -50,5 +50,5 @@ class EagleDrafter(nn.Module):
                 cache: AttentionCache) -> torch.Tensor:
         """token_embeds (B, T, H) of tokens i, prev_features (B, T, H) at i-1 -> predicted features at i (B, T, H)."""
         x = self.fc(torch.cat((token_embeds, prev_features), dim=-1))
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(self.rotary.clamp_draft_positions(positions))
         return self.layer(x, cos, sin, cache)

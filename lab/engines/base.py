@@ -6,6 +6,7 @@ Ignores: tokenization and metrics.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -119,7 +120,7 @@ class Engine(ABC):
         if params.is_greedy:
             return None
         if request.request_id not in self._generators:
-            seed = params.seed if params.seed is not None else hash((self.seed, request.request_id)) % 2**63
+            seed = params.seed if params.seed is not None else request_seed(self.seed, request.request_id)
             self._generators[request.request_id] = make_generator(seed, self.runner.device)
         return self._generators[request.request_id]
 
@@ -172,6 +173,13 @@ def fail(requests: list[Request], error: str) -> list[Request]:
     for request in requests:
         request.finish(RequestStatus.FINISHED_ABORTED, error)
     return requests
+
+
+def request_seed(engine_seed: int, request_id: str) -> int:
+    """An unseeded request's sampling seed: the same in every process for the same engine seed and request id
+    (hash() of a str is salted per process, which made `seed=0` runs sample differently each time)."""
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1   # NOTE: < 2**63, a valid torch seed
 
 
 def take_generated(request: Request, token_ids: list[int], times: list[float], eos_token_ids: set[int],

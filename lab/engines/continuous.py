@@ -79,6 +79,9 @@ class ContinuousBatchingEngine(Engine):
     def validate(self, request: Request) -> None:
         """The context checks, then whether the KV cache and token budget could ever run the request."""
         super().validate(request)
+        if any(r.request_id == request.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)):
+            raise LabError(f"request id {request.request_id} is already in flight",
+                           "give every request a unique request_id")
         error = self.scheduler.never_fits(request)
         if error is not None:
             raise error

@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from lab.engines.base import Engine, fail, take_generated
 from lab.errors import LabError
-from lab.request import Request, RequestStatus, SamplingParams
+from lab.request import Request, RequestStatus, SamplingParams, stop_ids
 from lab.runner import ModelRunner
 
 
@@ -47,6 +47,11 @@ def _model_eos_disabled(model: torch.nn.Module, disable: bool) -> Iterator[None]
         model.generation_config.eos_token_id = saved
 
 
+def generation_settings(params: SamplingParams) -> tuple:
+    """What one HF generate() call applies to every row alike."""
+    return params.temperature, params.top_k, params.top_p, params.ignore_eos, sorted(params.stop_token_ids)
+
+
 class HFEngine(Engine):
     supports_arrivals = True  # batches are formed from whatever has arrived when the previous batch ends
 
@@ -69,7 +74,7 @@ class HFEngine(Engine):
         return bool(self.running) or bool(self.waiting)
 
     def _generation_config(self, params: SamplingParams, max_new_tokens: int) -> GenerationConfig:
-        eos = None if params.ignore_eos else sorted(self.runner.eos_token_ids | set(params.stop_token_ids))
+        eos = sorted(stop_ids(params, self.runner.eos_token_ids)) or None
         kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=self.pad_token_id,
                       bos_token_id=None, do_sample=not params.is_greedy)
         if not params.is_greedy:
@@ -78,12 +83,17 @@ class HFEngine(Engine):
         return GenerationConfig(**kwargs)
 
     def step(self) -> list[Request]:
-        batch = [self.waiting.popleft() for _ in range(min(self.batch_size, len(self.waiting)))]
-        self.running = batch
+        # NOTE: one generate() call samples and stops every row alike: a batch takes the oldest request and the
+        # next ones with its settings; the others wait for a batch of their own
+        batch = [self.waiting.popleft()]
         params = batch[0].sampling_params
-        if any((p.temperature, p.top_k, p.top_p, p.ignore_eos) != (params.temperature, params.top_k, params.top_p,
-               params.ignore_eos) for p in (r.sampling_params for r in batch)):
-            raise LabError("the hf engine needs one set of sampling settings per batch", "use engine.batch_size=1")
+        for request in list(self.waiting):
+            if len(batch) == self.batch_size:
+                break
+            if generation_settings(request.sampling_params) == generation_settings(params):
+                self.waiting.remove(request)
+                batch.append(request)
+        self.running = batch
         now = time.perf_counter()
         for request in batch:
             request.status, request.first_scheduled_time = RequestStatus.RUNNING, now

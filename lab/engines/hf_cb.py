@@ -22,7 +22,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from lab.engines.base import Engine, RunResult, fail, take_generated
 from lab.errors import LabError
-from lab.request import Request, RequestStatus
+from lab.request import Request, RequestStatus, stop_ids
 from lab.runner import ModelRunner
 
 POLL_S = 0.002  # how long a step waits for a finished request before the run loop admits new arrivals
@@ -58,6 +58,8 @@ class HFCBEngine(Engine):
     def run(self, requests: list[Request], max_concurrency: int | None = None) -> RunResult:
         for request in requests:
             self.validate(request)
+        if not requests:   # NOTE: the manager sizes its cache from the requests; with none there is nothing to run
+            return super().run(requests, max_concurrency)
         self.manager = self._start_manager(requests)
         try:
             return super().run(requests, max_concurrency)
@@ -149,7 +151,7 @@ class HFCBEngine(Engine):
 
     def _submit(self, request: Request) -> None:
         params = request.sampling_params
-        eos = -1 if params.ignore_eos else sorted(self.runner.eos_token_ids | set(params.stop_token_ids))
+        eos = sorted(stop_ids(params, self.runner.eos_token_ids)) or -1
         request.status, request.first_scheduled_time = RequestStatus.RUNNING, time.perf_counter()
         self.running[request.request_id] = request
         self.manager.add_request(input_ids=request.prompt_token_ids, request_id=request.request_id,

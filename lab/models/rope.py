@@ -71,6 +71,13 @@ class RotaryEmbedding(torch.nn.Module):
         table = torch.stack((cos, signed_sin), dim=1) * self.attention_scaling
         self.register_buffer("cos_sin_table", table, persistent=False)    # (P, 2, D)
 
+    def clamp_draft_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """For drafters only: a request near the end of the context still drafts k tokens, some past the last
+        position the table holds; the engine trims those drafts to the request's room, so their positions only
+        need to stay inside the table (vLLM's EAGLE proposer clamps them too). Targets never clamp: a target
+        position past the table is a bug to surface."""
+        return positions.clamp(max=self.cos_sin_table.shape[0] - 1)
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, signed_sin (B, T, 1, D), broadcast over heads."""
         cos_sin = self.cos_sin_table[positions]                            # (B, T, 2, D)

@@ -26,9 +26,10 @@ from lab.errors import LabError
 from lab.request import Request
 from lab.serve import session as sessions
 from lab.serve.detokenizer import IncrementalDetokenizer
-from lab.serve.engine_loop import EngineClient
+from lab.serve.engine_loop import EngineClient, RequestOutput
 from lab.serve.metrics import ServerMetrics
-from lab.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, Endpoint, SamplingFields
+from lab.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Endpoint, SamplingFields,
+                                refuse_unsupported)
 from lab.workloads.file import encode_record
 
 log = logging.getLogger("lab.serve")
@@ -39,6 +40,10 @@ class ServeOptions:
     model_name: str
     max_queue_len: int = 256        # requests accepted and not yet answered (waiting + running); past it, 429
     drain_timeout_s: float = 30.0   # on shutdown, how long in-flight requests may take before being aborted
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not valid JSON")
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
@@ -52,17 +57,19 @@ class OpenAIServer:
         self.client, self.tokenizer, self.vocab_size, self.options = client, tokenizer, vocab_size, options
         self.metrics = ServerMetrics(options.model_name)
         self.num_outstanding = 0
+        self.sessions: dict[str, sessions.Session] = {}   # in flight, by request id
         self.is_draining = False
         self.created = int(time.time())
 
     # -- parsing ---------------------------------------------------------------------------------
     async def parse(self, http_request: HTTPRequest, schema: type[BaseModel]) -> Any:
         try:
-            payload = json.loads(await http_request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            payload = json.loads(await http_request.body(), parse_constant=_not_json)
+        except (ValueError, UnicodeDecodeError) as exc:   # NOTE: JSONDecodeError is a ValueError
             raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
         if not isinstance(payload, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        refuse_unsupported(payload)
         try:
             body = schema.model_validate(payload)
         except ValidationError as exc:
@@ -104,6 +111,18 @@ class OpenAIServer:
                            else param, code="context_length_exceeded")
         return requested if requested is not None else context - num_prompt_tokens
 
+    # -- shutdown ----------------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Shutdown has begun: /health says 503 and new requests are refused while in-flight ones finish."""
+        self.is_draining = True
+
+    def abort_in_flight(self) -> None:
+        """The drain timed out: abort what is left, so each stream still ends properly (finish_reason "abort",
+        usage, [DONE]) instead of being cut off mid-chunk."""
+        for request_id, session in list(self.sessions.items()):
+            self.client.abort_request(request_id)   # NOTE: frees the engine's side; its outputs stop here
+            session.sink.put_nowait(RequestOutput(request_id, [], "abort", "the server shut down"))
+
     # -- generation --------------------------------------------------------------------------------
     def admit(self) -> None:
         if self.is_draining:
@@ -117,6 +136,7 @@ class OpenAIServer:
 
     def release(self, session: sessions.Session) -> None:
         self.num_outstanding -= 1
+        self.sessions.pop(session.request.request_id, None)
         self.metrics.observe_finished(session.finish_reason or "abort", session.request.arrival_time,
                                       session.token_times)
 
@@ -134,6 +154,7 @@ class OpenAIServer:
         session = sessions.Session(kind, self.options.model_name, request, self.client,
                                    IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
                                    body.include_usage, self.release)
+        self.sessions[request.request_id] = session
         session.submit()
         if not body.stream:
             response = await sessions.collect(session, http_request)

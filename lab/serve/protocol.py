@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from lab.errors import LabError
 from lab.request import SamplingParams
@@ -29,16 +29,36 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
+# refused (400), not silently ignored: an evaluation asking for logprobs must not get null back
+UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "best_of": (None, 1),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "suffix": (None, ""), "min_tokens": (None, 0),
+}
+
+
+def refuse_unsupported(payload: dict[str, Any]) -> None:
+    """400 for an option this server does not implement set to anything but its off value."""
+    for name, off in UNSUPPORTED_UNLESS_OFF.items():
+        if name in payload and not any(payload[name] == value and type(payload[name]) is type(value)
+                                       for value in off):
+            raise APIError(400, f"{name}={payload[name]!r} is not supported by this server; leave it unset",
+                           param=name, code="unsupported_value")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both endpoints. NOTE: strict, so "16" or true is not silently taken as a number;
-    unknown fields (logprobs, penalties that are all off, user, ...) are ignored, as clients send many."""
+    """Fields shared by both endpoints. NOTE: strict, so "16" or true is not silently taken as a number; null is
+    the default, as OpenAI's nullable fields are; unknown fields (user, metadata, ...) are ignored, as clients
+    send many, but options that change the output are refused unless off (refuse_unsupported)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -50,6 +70,11 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -64,6 +89,8 @@ class SamplingFields(BaseModel):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         try:
             return SamplingParams(
                 max_tokens=max_tokens,

@@ -6,9 +6,11 @@ Owns: the socket, uvicorn's config (graceful shutdown timeout) and start/stop. I
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -23,21 +25,48 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+ABORT_GRACE_S = 2.0   # after the drain deadline's aborts, how long the streams get to send their last chunks
+
+
 class GracefulServer(uvicorn.Server):
-    """NOTE: uvicorn re-raises a captured SIGTERM/SIGINT once its graceful shutdown is done, so the process
+    """Shutdown in two stages: in-flight requests get `drain_timeout_s` to finish (`on_drain_start` first:
+    health 503, new requests refused), then `on_drain_timeout` aborts the rest, whose streams end with their
+    last chunk and [DONE] within ABORT_GRACE_S, after which uvicorn cancels whatever still runs.
+
+    NOTE: uvicorn re-raises a captured SIGTERM/SIGINT once its graceful shutdown is done, so the process
     dies of the signal (status -15); a server that drained cleanly should exit 0 instead."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float,
+                 on_drain_start: Callable[[], None] | None = None,
+                 on_drain_timeout: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+        self.on_drain_start, self.on_drain_timeout = on_drain_start, on_drain_timeout
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_drain_start is not None:
+            self.on_drain_start()
+        deadline = (asyncio.get_running_loop().call_later(self.drain_timeout_s, self.on_drain_timeout)
+                    if self.on_drain_timeout is not None else None)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if deadline is not None:
+                deadline.cancel()
+
 
 def make_server(app: FastAPI, drain_timeout_s: float, log_level: str = "warning") -> uvicorn.Server:
     # NOTE: backlog well above the default 2048 so a burst of connections is answered (429 or served),
-    # not refused by the kernel; timeout_graceful_shutdown lets in-flight streams finish on SIGTERM.
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, backlog=4096,
-                            timeout_keep_alive=30, access_log=False)
-    return GracefulServer(config)
+    # not refused by the kernel; the graceful timeout lets in-flight streams finish on SIGTERM.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s + ABORT_GRACE_S,
+                            backlog=4096, timeout_keep_alive=30, access_log=False)
+    server = getattr(app.state, "server", None)   # NOTE: lab's OpenAIServer (create_app); absent for other apps
+    return GracefulServer(config, drain_timeout_s, getattr(server, "begin_drain", None),
+                          getattr(server, "abort_in_flight", None))
 
 
 def serve_forever(app: FastAPI, host: str, port: int, drain_timeout_s: float, log_level: str = "info") -> None:

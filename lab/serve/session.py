@@ -77,6 +77,8 @@ class Session:
         text = self.detokenizer.add(output.new_token_ids, is_final=output.is_finished)
         if output.is_finished:
             self.finish_reason, self.error, self.is_invalid = output.finish_reason, output.error, output.is_invalid
+            if self.detokenizer.is_stopped and self.finish_reason == "length":
+                self.finish_reason = "stop"   # NOTE: vLLM's: the stop string matched in the step that hit max_tokens
         elif self.detokenizer.is_stopped:
             self.finish_reason = "stop_string"  # NOTE: the engine still runs it; close() aborts it
         return text

@@ -51,7 +51,7 @@ class DraftModelProposer:
             total += seq.num_query_tokens
             rows.append(total - 1)
         input_ids = torch.tensor(token_ids, dtype=torch.long)[None]                      # (1, N)
-        positions = self.kv_cache.index.positions[None]                                  # (1, N)
+        positions = self.runner.model.rotary.clamp_draft_positions(self.kv_cache.index.positions[None])  # (1, N)
         self.num_forwards += 1
         return self.runner.execute(input_ids, positions, self.kv_cache,
                                    logits_index=torch.tensor(rows, dtype=torch.long))[0]  # (R, V)
