@@ -222,7 +222,8 @@ def test_drafting_at_the_end_of_the_context_is_lossless(trained: dict, kind: str
     max_len = tiny_runner.max_model_len
     prompt = (_prompts(16, seed=3)[9] * 200)[:max_len - 12]
     expected = AREngine(tiny_runner).run(make_requests([prompt], 12, ignore_eos=True)).requests[0].output_token_ids
-    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]), num_spec_tokens=4 if kind == "eagle" else 3,
+    engine = SpeculativeEngine(tiny_runner, _proposer(kind, trained[kind][0]),
+                               num_spec_tokens=4 if kind == "eagle" else 3,
                                scheduler=SchedulerConfig(max_num_seqs=1),
                                kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=160, kv_cache_memory_mb=None))
     served = engine.run(make_requests([prompt], 12, ignore_eos=True)).requests[0]

@@ -105,8 +105,9 @@ async def benchmark(target: Target, requests: list[BenchRequest], offsets: list[
                     max_concurrency: int | None = None, num_warmups: int = 0,
                     ready_timeout_s: float = 120.0, warmup_max_tokens: int | None = None) -> BenchmarkRun:
     """One ready check, a probe (the first request), `num_warmups` unmeasured copies of the probe (as vLLM's:
-    copies of other requests would reach the run with their prompts already in the prefix cache), then the run; the server's speculative-decoding and prefix-cache counters are read before
-    and after the measured requests, where it exports them. warmup_max_tokens: the probe and the warm-ups
+    copies of other requests would reach the run with their prompts already in the prefix cache), then the run;
+    the server's speculative-decoding and prefix-cache counters are read before and after the measured requests,
+    where it exports them. warmup_max_tokens: the probe and the warm-ups
     generate at most that many tokens (None: their request's own length), so a server that learns from what it
     serves (suffix decoding's history) is not handed the measured answers in advance."""
     first = requests[0]

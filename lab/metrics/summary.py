@@ -3,8 +3,9 @@
 TTFT = first token - arrival (the time the request was sent); E2EL = last token - arrival;
 TPOT = (E2EL - TTFT) / (output_len - 1) per request with more than one token; ITL = every gap between
 consecutive steps that gave the request tokens, pooled over requests (vLLM's client times SSE chunks, and a
-step's tokens, several under speculation, stream as one chunk); queue time = first scheduled - arrival. Throughputs divide by the run's duration; goodput counts requests meeting every
-configured SLO. Owns: numbers. Ignores: engines.
+step's tokens, several under speculation, stream as one chunk); queue time = first scheduled - arrival.
+Throughputs divide by the run's duration; goodput counts requests meeting every configured SLO.
+Owns: numbers. Ignores: engines.
 """
 
 from __future__ import annotations
