@@ -37,6 +37,14 @@ PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
 CONFIG_GROUPS = ("workload", "sampling", "hydra", "serving")
 
 
+# NOTE: vLLM's printed sections: (result key, label, header)
+LATENCY_SECTIONS = (("ttft", "TTFT", "Time to First Token"),
+                    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                    ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"),
+                    ("client_queue_time", "Client Queue Time", "Client-side Queueing"),
+                    ("e2el_including_client_queue", "E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"))
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """conf/bench_serve.yaml's own settings (beside its workload and sampling groups), typed: checked against these
@@ -122,11 +130,12 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
     print("{:=^50}".format(" Serving Benchmark Result "))
     for label, value in rows:
         print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
-    for name, header in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, label, header in LATENCY_SECTIONS:
+        if f"mean_{name}_ms" not in result:
+            continue   # NOTE: the client-queue ones exist under a max_concurrency only
         print("{:-^50}".format(header))
         for stat in ("mean", "median", *[f"p{percentile_word(p)}" for p in percentiles]):
-            print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
+            print(f"{stat.capitalize() + ' ' + label + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
     spec = speculative_rows(result)   # NOTE: from the server's /metrics, when it speculates and exports them
     if spec:
         print("{:-^50}".format("Speculative Decoding"))
@@ -155,7 +164,8 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "num_prompts": len(requests),
         "request_rate": arrival.request_rate, "burstiness": arrival.burstiness,
         "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
-        **calculate(outputs, duration, tokenizer, tuple(percentiles), options.slo),
+        **calculate(outputs, duration, tokenizer, tuple(percentiles), options.slo, arrival.max_concurrency,
+                    arrival.request_rate),
         # NOTE: as vLLM's, only where the window verified drafts (a speculative server that drafted nothing has none)
         **(measured.spec.summary() if measured.spec is not None and measured.spec.num_draft_tokens else {}),
         **(measured.prefix_cache.summary() if measured.prefix_cache is not None else {})}

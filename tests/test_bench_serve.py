@@ -131,6 +131,19 @@ def test_warmups_can_stop_after_a_few_tokens(server_url: str) -> None:
     assert generated() - before == 24 + 3 + 2 * 3, "measured 24, probe 3, two warm-ups of 3"
 
 
+def test_client_queue_time_is_reported_under_a_client_side_max_concurrency() -> None:
+    """vLLM's: a request held back for a concurrency slot waited client_queue_time before it was sent; at a
+    finite rate the E2EL a user sees includes that wait."""
+    a = StreamOutput(True, "a", prompt_len=4, output_tokens=2, ttft=0.1, itl=[0.1], latency=0.2, start_time=0.0)
+    b = StreamOutput(True, "b", prompt_len=4, output_tokens=2, ttft=0.1, itl=[0.1], latency=0.2, start_time=0.2,
+                     client_queue_time=0.15)
+    assert "mean_client_queue_time_ms" not in calculate([a, b], duration=1.0)
+    closed = calculate([a, b], duration=1.0, max_concurrency=1)
+    assert closed["mean_client_queue_time_ms"] == pytest.approx(75.0) and "mean_e2el_including_client_queue_ms" not in closed
+    paced = calculate([a, b], duration=1.0, max_concurrency=1, request_rate=4.0)
+    assert paced["max_e2el_including_client_queue_ms"] == pytest.approx(350.0)
+
+
 def test_failed_requests_are_counted_with_their_error(server_url: str) -> None:
     requests = requests_of([(4, 2), (4, 5000), (4, 2)])   # the second exceeds the context: HTTP 400
     run = asyncio.run(benchmark(Target(server_url), requests, [0.0] * 3, ready_timeout_s=10))

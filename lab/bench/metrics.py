@@ -10,6 +10,7 @@ Owns: numbers. Ignores: HTTP. The percentile statistics are lab/metrics/summary.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -54,8 +55,11 @@ def peak_concurrency(outputs: list[StreamOutput]) -> int:
 
 def calculate(outputs: list[StreamOutput], duration: float, tokenizer: Any | None = None,
               percentiles: tuple[float, ...] = DEFAULT_PERCENTILES,
-              slo: dict[str, float | None] | None = None) -> dict[str, Any]:
-    """The result fields of one run, in vLLM's names (per-request lists are added by `detailed`)."""
+              slo: dict[str, float | None] | None = None, max_concurrency: int | None = None,
+              request_rate: float = math.inf) -> dict[str, Any]:
+    """The result fields of one run, in vLLM's names (per-request lists are added by `detailed`). Under a
+    client-side max_concurrency, vLLM's client queue time too (sent late for want of a slot) and, at a finite
+    rate, the E2EL a user would see including it."""
     completed = [o for o in outputs if o.success]
     lens = [output_len(o, tokenizer) for o in completed]
     per_request = []
@@ -80,6 +84,10 @@ def calculate(outputs: list[StreamOutput], duration: float, tokenizer: Any | Non
               "tpot": [m["tpot_ms"] for m in per_request if m["tpot_ms"] is not None],
               "itl": [gap * 1000 for o in completed for gap in o.itl],
               "e2el": [m["e2el_ms"] for m in per_request]}
+    if max_concurrency is not None:
+        series["client_queue_time"] = [o.client_queue_time * 1000 for o in completed]
+        if not math.isinf(request_rate):
+            series["e2el_including_client_queue"] = [(o.latency + o.client_queue_time) * 1000 for o in completed]
     for name, values in series.items():
         result.update(latency_stats(name, values, percentiles))
     return result
