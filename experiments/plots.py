@@ -100,10 +100,15 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def load_sweep(sweep_dir: Path) -> tuple[list[Job], list[Path]]:
     """(finished jobs with their swept params, skipped job dirs: error.json or no results.json)."""
     jobs, skipped = [], []
-    subdirs = [p for p in Path(sweep_dir).iterdir()
-               if any((p / name).exists() for name in (".hydra", "results.json", "error.json"))]
-    for path in sorted(subdirs, key=lambda p: (int(p.name.split("_")[0]) if p.name.split("_")[0].isdigit()
-                                               else math.inf, p.name)):
+    sweep_dir = Path(sweep_dir)
+    # NOTE: recursive: an override such as engine/proposer=ngram puts a "/" into Hydra's job dir name
+    subdirs = {p.parent for name in (".hydra", "results.json", "error.json") for p in sweep_dir.rglob(name)} - {sweep_dir}
+
+    def job_order(path: Path) -> tuple[float, str]:
+        number = path.relative_to(sweep_dir).parts[0].split("_")[0]
+        return (int(number) if number.isdigit() else math.inf, str(path))
+
+    for path in sorted(subdirs, key=job_order):
         if (path / "error.json").exists() or not (path / "results.json").exists():
             skipped.append(path)
             continue

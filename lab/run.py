@@ -79,6 +79,8 @@ def check_model_config(cfg: DictConfig) -> None:
     for key, annotation in TOP_LEVEL_SETTINGS.items():
         if key in cfg:
             check_value(annotation, cfg[key], key)
+    if cfg.get("threads") is not None and cfg.threads < 1:
+        raise LabError(f"threads must be >= 1 or null, got {cfg.threads}", "use null for torch's default")
     check_group(cfg, "model.source")
     settings = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k not in ("name", "source")}
     check_call(ModelRunner, settings, "model", ("source",))
@@ -90,10 +92,13 @@ def split_workload(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     arrival_cfg = {k: spec.pop(k) for k in ARRIVAL_KEYS if k in spec}
     check_target_config(spec, "workload")
     num_warmups = arrival_cfg.get("num_warmups")
-    if num_warmups is not None and (not isinstance(num_warmups, int) or isinstance(num_warmups, bool)):
-        raise LabError(f"workload.num_warmups must be an integer or null, got {num_warmups!r}",
+    if num_warmups is not None and (not isinstance(num_warmups, int) or isinstance(num_warmups, bool)
+                                    or num_warmups < 0):
+        raise LabError(f"workload.num_warmups must be an integer >= 0 or null, got {num_warmups!r}",
                        "set workload.num_warmups to 0 (none) or more")
-    check_call(ArrivalProcess, {k: v for k, v in arrival_cfg.items() if k != "num_warmups"}, "workload", ("seed",))
+    arrival = {k: v for k, v in arrival_cfg.items() if k != "num_warmups"}
+    check_call(ArrivalProcess, arrival, "workload", ("seed",))
+    ArrivalProcess(**arrival)   # NOTE: its ranges (rate > 0, ...), checked before the model loads
     return spec, arrival_cfg
 
 
@@ -255,6 +260,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         logger.finish(exit_code)
 
 
+JOB_OUTPUTS = ("results.json", "error.json", "requests.jsonl", "utilization.jsonl")
+
+
+def clear_job_outputs(run_dir: Path) -> None:
+    """A job dir reused (the same hydra.sweep.dir run again) must not mix an earlier run's results or error.json
+    with this one's: the analysis would skip a job that now succeeds, or read numbers it did not produce."""
+    for name in JOB_OUTPUTS:
+        (run_dir / name).unlink(missing_ok=True)
+
+
 def record_failure(run_dir: Path, message: str, exc: BaseException) -> None:
     """A failed job still leaves a results.json (completed 0, the error) and error.json with the traceback."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -274,8 +289,13 @@ def main(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     is_multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    clear_job_outputs(run_dir)
     try:
         return float(run(cfg, run_dir)["output_throughput"])
+    except KeyboardInterrupt as exc:
+        record_failure(run_dir, "interrupted (SIGINT) before the run finished", exc)
+        print(f"interrupted: nothing measured was kept; see {run_dir / 'error.json'}", file=sys.stderr)
+        sys.exit(130)
     except Exception as raw:  # noqa: BLE001 - turned into one message (run) or a recorded failure (sweep)
         exc = _unwrap(raw)
         message = str(exc) if isinstance(exc, LabError) else f"{type(exc).__name__}: {exc}"

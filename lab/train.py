@@ -25,6 +25,7 @@ from lab.config_check import check_group, checked_kwargs
 from lab.run import CONF_DIR, check_model_config, exit_on_lab_error
 from lab.runner import ModelRunner
 from lab.drafters.checkpoint import resolve_checkpoint
+from lab.errors import LabError
 from lab.training.data import DataConfig
 from lab.training.recipe import TrainConfig, check_drafter_options, train_drafter
 
@@ -40,6 +41,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     options = OmegaConf.to_container(cfg.drafter, resolve=True)
     kind = options.pop("name")
     check_drafter_options(kind, options)
+    output = resolve_checkpoint(cfg.output)
+    try:   # NOTE: before training, not after it: a path that cannot be written would lose the trained weights
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LabError(f"output={cfg.output}: cannot create {output.parent} ({exc.strerror})",
+                       "set output to a writable path") from None
     source = instantiate(cfg.model.source)
     target = ModelRunner(source, dtype="float32", device=cfg.model.device)
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
@@ -50,7 +57,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
                  config=OmegaConf.to_container(cfg, resolve=True))
     exit_code = 1
     try:
-        metrics = train_drafter(kind, target, data, train_cfg, options, resolve_checkpoint(cfg.output), command.strip(),
+        metrics = train_drafter(kind, target, data, train_cfg, options, output, command.strip(),
                                 logger=logger)
         exit_code = 0
         return metrics

@@ -49,13 +49,17 @@ def test_missing_prompts_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": "ok"', "malformed JSON"),
     ('{"text": "no prompt key"}', 'exactly one of "prompt" or "messages"'),
-    ('{"prompt": 3}', '"prompt" must be a string'),
+    ('{"prompt": 3}', '"prompt" must be a non-empty string'),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"messages": []}', '"messages" must be a non-empty list'),
+    ('{"messages": [{"role": "user", "content": 5}]}', '"messages" must be a non-empty list'),
+    ('{"prompt": "caf\udcff"}', "not UTF-8 text"),
     ('{"prompt": "x", "max_tokens": -1}', "max_tokens must be a positive integer"),
-    ('{"messages": "hi"}', '"messages" must be a list'),
+    ('{"messages": "hi"}', '"messages" must be a non-empty list'),
 ])
 def test_malformed_jsonl_line_is_reported_with_its_line_number(line: str, message: str, tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "fine"}\n\n' + line + "\n")
+    path.write_bytes(('{"prompt": "fine"}\n\n' + line + "\n").encode("utf-8", "surrogateescape"))
     with pytest.raises(LabError, match=message) as info:
         FileWorkload(str(path)).build(tokenizer=object(), vocab_size=10, sampling=SamplingDefaults())
     assert f"{path}:3" in str(info.value)

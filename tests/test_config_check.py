@@ -118,8 +118,11 @@ def test_nested_targets_are_checked_with_their_path() -> None:
     ("threads=abc", "threads must be an integer or null, got 'abc'"),
     ("seed=1.5", "seed must be an integer, got 1.5"),
     ("workload.max_concurrency=0.5", "workload.max_concurrency must be an integer or null, got 0.5"),
-    ("workload.num_warmups=abc", "workload.num_warmups must be an integer or null"),
+    ("workload.num_warmups=abc", "workload.num_warmups must be an integer >= 0 or null"),
     ("+metrics.slo.ttft=100", "metrics.slo.ttft is not a goodput SLO"),   # vLLM's name; ours: ttft_ms
+    ("workload.num_warmups=-1", "workload.num_warmups must be an integer >= 0 or null"),
+    ("threads=0", "threads must be >= 1 or null"),
+    ("workload.request_rate=-1", "workload.request_rate must be > 0"),   # a range, before the model loads
     ("metrics.slo.tpot_ms=-1", "metrics.slo.tpot_ms must be a number of ms >= 0 or null, got -1"),
 ])
 def test_run_settings_beside_the_targets(override: str, message: str) -> None:
@@ -148,6 +151,8 @@ def test_unknown_target(target: str, message: str) -> None:
     ("lab.train", ["logger=none", "+train.stepz=3"], "did you mean train.steps?"),
     ("lab.train", ["logger=none", "data.num_prompts=many"], "data.num_prompts must be an integer"),
     ("lab.train", ["logger=none", "+drafter.gama=5"], "did you mean drafter.gamma?"),
+    ("lab.train", ["logger=none", "train.batch_size=0"], "train.batch_size must be >= 1, got 0"),
+    ("lab.train", ["logger=none", "output=/proc/nope/x.pt"], "output=/proc/nope/x.pt: cannot create /proc/nope"),
     ("lab.run", ["seed=abc"], "seed must be an integer, got 'abc'"),
     ("lab.serve", ["+engine.bogus=1"], "engine has no setting 'bogus'"),
     ("lab.serve", ["model.source.num_hidden_layers=two"], "model.source.num_hidden_layers must be an integer"),

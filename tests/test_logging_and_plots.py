@@ -179,6 +179,23 @@ def test_callback_plots_a_sweep_and_lists_failed_jobs(tmp_path: Path, capsys: py
     assert table[0].startswith("| engine | input_len |") and len(table) == 2 + 4, table
 
 
+def test_jobs_nested_by_a_group_override_with_a_slash_are_found(tmp_path: Path) -> None:
+    """engine/proposer=ngram puts a "/" into Hydra's job dir name: the job's files sit one level deeper."""
+    write_job(tmp_path, 0, "ar", 8)
+    write_job(tmp_path / "1_engine", 0, "hf", 16)
+    jobs, skipped = plots.load_sweep(tmp_path)
+    assert sorted(j.results["config"]["engine"]["name"] for j in jobs) == ["ar", "hf"] and skipped == []
+
+
+def test_a_reused_job_dir_starts_without_the_earlier_runs_outputs(tmp_path: Path) -> None:
+    from lab.run import JOB_OUTPUTS, clear_job_outputs
+
+    for name in (*JOB_OUTPUTS, "run.log"):
+        (tmp_path / name).write_text("{}")
+    clear_job_outputs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.log"]
+
+
 # --- utilization sampler -------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import signal
 import threading
@@ -53,6 +54,16 @@ class TrainConfig:
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
     stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
+
+    def __post_init__(self) -> None:
+        """Ranges the training loop relies on, checked before the target loads (a 0 would divide or train nothing)."""
+        for name, low in (("steps", 1), ("batch_size", 1), ("log_every", 1), ("max_seq_len", 2), ("val_sequences", 1),
+                          ("warmup_steps", 0), ("val_every", 0), ("add_layers", 0)):
+            value = getattr(self, name)
+            if value < low:
+                raise LabError(f"train.{name} must be >= {low}, got {value}", f"set train.{name} to {low} or more")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise LabError(f"train.lr must be a finite number > 0, got {self.lr}", "e.g. train.lr=5e-4")
 
 
 # DFlash layer weight -> the target decoder layer's weight of the same shape (a warm start)

@@ -24,13 +24,14 @@ def _check_record(record: Any, where: str) -> None:
     if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
         raise LabError(f"{where}: expected an object with exactly one of \"prompt\" or \"messages\"",
                        'write each line as {"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
-    if "prompt" in record and not isinstance(record["prompt"], str):
-        raise LabError(f"{where}: \"prompt\" must be a string, got {type(record['prompt']).__name__}",
+    if "prompt" in record and not (isinstance(record["prompt"], str) and record["prompt"]):
+        raise LabError(f"{where}: \"prompt\" must be a non-empty string, got {record['prompt']!r}",
                        "put the prompt text in a JSON string")
-    if "messages" in record and not (isinstance(record["messages"], list) and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in record["messages"])):
-        raise LabError(f"{where}: \"messages\" must be a list of {{\"role\", \"content\"}} objects",
-                       'use [{"role": "user", "content": "..."}]')
+    if "messages" in record and not (isinstance(record["messages"], list) and record["messages"] and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in record["messages"])):
+        raise LabError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects "
+                       "with string values", 'use [{"role": "user", "content": "..."}]')
     max_tokens = record.get("max_tokens")
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
         raise LabError(f"{where}: max_tokens must be a positive integer, got {max_tokens!r}",
@@ -50,10 +51,14 @@ class FileWorkload:
         if not self.path.is_file():
             raise LabError(f"prompts file not found: {self.path}", "check workload.path (relative paths are taken from the directory you launched from)")
         records = []
-        for line_number, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), start=1):
+        for line_number, raw in enumerate(self.path.read_bytes().splitlines(), start=1):
+            where = f"{self.path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise LabError(f"{where}: not UTF-8 text (byte {exc.start + 1})", "save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{self.path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -70,8 +75,12 @@ class FileWorkload:
             raise LabError("workload=file needs a model with a tokenizer", "use model=smollm2, model=tiny or model=hf")
         requests = []
         for line_number, record in self.read_records():
-            token_ids = encode_record(record, tokenizer)
+            try:
+                token_ids = encode_record(record, tokenizer)
+            except Exception as exc:  # noqa: BLE001 - a chat template that rejects the conversation (roles, order)
+                raise LabError(f"{self.path}:{line_number}: the chat template rejected the messages: {exc}",
+                               "give the roles and order the model's chat template expects") from None
             params = sampling.params(record.get("max_tokens") or self.max_tokens, self.ignore_eos)
-            prompt = record.get("prompt") or json.dumps(record["messages"])
+            prompt = record["prompt"] if "prompt" in record else json.dumps(record["messages"])
             requests.append(Request(f"{self.name}-{line_number}", token_ids, params, prompt=prompt))
         return requests
