@@ -102,7 +102,8 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Job], list[Path]]:
     jobs, skipped = [], []
     sweep_dir = Path(sweep_dir)
     # NOTE: recursive: an override such as engine/proposer=ngram puts a "/" into Hydra's job dir name
-    subdirs = {p.parent for name in (".hydra", "results.json", "error.json") for p in sweep_dir.rglob(name)} - {sweep_dir}
+    subdirs = {p.parent for name in (".hydra", "results.json", "error.json")
+               for p in sweep_dir.rglob(name)} - {sweep_dir}
 
     def job_order(path: Path) -> tuple[float, str]:
         number = path.relative_to(sweep_dir).parts[0].split("_")[0]
