@@ -41,6 +41,12 @@ def check_slo(slo: Mapping[str, Any] | None, where: str = "metrics.slo") -> dict
     return limits
 
 
+def step_gaps(token_times: list[float]) -> list[float]:
+    """The gaps between consecutive steps that gave a request tokens (seconds): tokens of one step share its
+    timestamp, and their zero gaps are not latencies a user sees (vLLM's ITL, one per streamed chunk)."""
+    return [later - earlier for earlier, later in zip(token_times, token_times[1:]) if later != earlier]
+
+
 def request_latencies(request: Request) -> dict[str, Any]:
     """Per-request timings in ms (None where undefined)."""
     times = request.token_times
@@ -50,8 +56,7 @@ def request_latencies(request: Request) -> dict[str, Any]:
         return {"ttft_ms": None, "tpot_ms": None, "itl_ms": [], "e2el_ms": None, "queue_ms": queue}
     ttft = (times[0] - request.arrival_time) * 1000
     e2el = (times[-1] - request.arrival_time) * 1000
-    # NOTE: tokens of one step share its timestamp; their zero gaps are not latencies a user sees
-    itl = [(b - a) * 1000 for a, b in zip(times, times[1:]) if b != a]
+    itl = [gap * 1000 for gap in step_gaps(times)]
     tpot = (e2el - ttft) / (len(times) - 1) if len(times) > 1 else None
     return {"ttft_ms": ttft, "tpot_ms": tpot, "itl_ms": itl, "e2el_ms": e2el, "queue_ms": queue}
 

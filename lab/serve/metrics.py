@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lab.kv_cache.counters import PrefixCacheCounters
+from lab.metrics.summary import step_gaps
 from lab.serve.engine_loop import EngineStats
 from lab.spec.counters import SpecCounters
 
@@ -65,9 +66,8 @@ class ServerMetrics:
         self.ttft.labels(m).observe(ttft)
         self.e2el.labels(m).observe(e2el)
         self.tpot.labels(m).observe((e2el - ttft) / (len(token_times) - 1) if len(token_times) > 1 else 0.0)
-        for earlier, later in zip(token_times, token_times[1:]):
-            if later != earlier:   # NOTE: one step's tokens share its timestamp
-                self.itl.labels(m).observe(later - earlier)
+        for gap in step_gaps(token_times):
+            self.itl.labels(m).observe(gap)
 
     def render(self, stats: EngineStats, num_outstanding: int) -> bytes:
         m = self.model_name
