@@ -3,7 +3,7 @@ length) per method and dataset, and where each method's speedup falls below 1.0.
 
     python experiments/crossover.py outputs/multirun/<day>/crossover_<time> [more sweep dirs] [--out DIR]
 
-Writes <out>/crossover.json (rows + crossover points), <out>/crossover.png, and prints a markdown table.
+Writes <out>/crossover.json (rows, crossover points, failed jobs), <out>/crossover.png, and prints a markdown table.
 On the concurrency axis each method also gets `pays_up_to`: the most requests at which drafting still paid,
 the value for `engine.disable_by_batch_size` (no drafts above it; lab/spec/schedule.py).
 Every job ran its own AR baseline on the same requests (engine.measure_speedup, in ABBA turns where the
@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # NOTE: the sibling helper, also when loaded by path
 from sweep_jobs import finished_jobs  # noqa: E402
+
+from lab.sweep_callback import job_failure  # noqa: E402
 
 METHODS = {"speculative": "vanilla (suffix)", "eagle": "EAGLE", "dflash": "DFlash",
            "dflash_adaptive": "DFlash by batch size"}
@@ -168,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="default: <first sweep dir>/crossover")
     args = parser.parse_args(argv)
     rows, skipped = load_rows(args.sweep_dirs)
-    for path in skipped:
-        print(f"skipped {path} (failed or no results)")
+    failed = [{"job": str(path), "error": (job_failure(path) or "no results.json").splitlines()[0]} for path in skipped]
+    for job in failed:
+        print(f"skipped {job['job']}: {job['error']}")
     if not rows:
         print(f"no finished jobs in {', '.join(map(str, args.sweep_dirs))}")
         return 1
@@ -178,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.sweep_dirs[0] / "crossover"
     out.mkdir(parents=True, exist_ok=True)
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
-    (out / "crossover.json").write_text(json.dumps({"axis": axis, "crossovers": points, "rows": clean}, indent=2,
+    (out / "crossover.json").write_text(json.dumps({"axis": axis, "crossovers": points, "rows": clean,
+                                                    "failed_jobs": failed}, indent=2,
                                                    default=lambda v: None if isinstance(v, float) and np.isnan(v) else v))
     print(f"wrote {plot(rows, axis, out)} and {out / 'crossover.json'}")
     print(markdown_table(rows, points))
+    if failed:
+        print(f"{len(failed)} failed jobs are not in the table (crossover.json: failed_jobs)")
     return 0
 
 

@@ -25,6 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend is chosen first
 from matplotlib import ticker  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lab.sweep_callback import job_failure  # noqa: E402
+
 LATENCIES = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("e2el_ms", "E2EL (ms)"))
 # Memory panels: the first key present in every job of each tuple, as (results.json key, label, scale).
 # NOTE: util/rss_mb_max is measured per job; peak_memory_mb (ru_maxrss) only grows over a sweep whose jobs
@@ -290,10 +292,21 @@ def summary_table(jobs: list[Job], swept: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def failed_jobs_section(sweep_dir: Path, skipped: list[Path]) -> str:
+    """summary.md's list of the jobs left out: each job dir (relative to the sweep) with its error."""
+    if not skipped:
+        return ""
+    lines = ["", f"Failed jobs ({len(skipped)}, not in the table above):", ""]
+    lines += [f"- `{p.relative_to(sweep_dir) if p.is_relative_to(sweep_dir) else p}`: "
+              f"{(job_failure(p) or 'no results.json').splitlines()[0]}" for p in skipped]
+    return "\n".join(lines) + "\n"
+
+
 def plot_sweep(sweep_dir: Path, out_dir: Path | None = None) -> SweepPlots:
-    """Every plot for a sweep dir (default out: SWEEP_DIR/plots), plus summary.md there."""
-    jobs, skipped = load_sweep(Path(sweep_dir))
-    out = Path(out_dir) if out_dir else Path(sweep_dir) / "plots"
+    """Every plot for a sweep dir (default out: SWEEP_DIR/plots), plus summary.md there (failed jobs listed)."""
+    sweep_dir = Path(sweep_dir)
+    jobs, skipped = load_sweep(sweep_dir)
+    out = Path(out_dir) if out_dir else sweep_dir / "plots"
     if not jobs:
         return SweepPlots([], skipped, [])
     out.mkdir(parents=True, exist_ok=True)
@@ -302,7 +315,7 @@ def plot_sweep(sweep_dir: Path, out_dir: Path | None = None) -> SweepPlots:
              *plot_length_effects(jobs, swept, out)]
     if (memory := plot_memory(jobs, swept, out)) is not None:
         paths.append(memory)
-    (table := out / "summary.md").write_text(summary_table(jobs, swept))
+    (table := out / "summary.md").write_text(summary_table(jobs, swept) + failed_jobs_section(sweep_dir, skipped))
     return SweepPlots([*paths, table], skipped, swept)
 
 

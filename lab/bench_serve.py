@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lab.bench.client import Api, BenchRequest
@@ -24,10 +24,11 @@ from lab.config_check import check_call
 from lab.bench.driver import Target, benchmark
 from lab.bench.metrics import calculate, detailed
 from lab.errors import LabError
+from lab.hydra_job import console_script, run_job
 from lab.metrics.report import speculative_rows
 from lab.metrics.summary import check_slo, percentile_word
 from lab.request import Request
-from lab.run import build_requests, exit_on_lab_error, split_workload
+from lab.run import build_requests, split_workload
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 PromptFormat = Literal["auto", "text", "token_ids"]
@@ -35,6 +36,8 @@ PROMPT_FORMATS: tuple[str, ...] = get_args(PromptFormat)
 # NOTE: not the bench's own settings: composed groups (checked where they are built) and experiment=serving's
 # `serving` (the servers experiments/serving.py starts; a plain run against an endpoint ignores it)
 CONFIG_GROUPS = ("workload", "sampling", "hydra", "serving")
+
+log = logging.getLogger("lab.bench_serve")   # NOTE: the job's record in run.log
 
 
 # NOTE: vLLM's printed sections: (result key, label, header)
@@ -115,7 +118,7 @@ def to_bench_request(request: Request, tokenizer: Any, prompt_format: str) -> Be
                         p.top_k, p.seed, request.request_id)
 
 
-def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
+def result_table(result: dict[str, Any], percentiles: list[float]) -> str:
     """vLLM's summary block."""
     rows = [("Successful requests:", result["completed"]), ("Failed requests:", result["failed"]),
             ("Benchmark duration (s):", result["duration"]), ("Total input tokens:", result["total_input_tokens"]),
@@ -127,21 +130,22 @@ def print_table(result: dict[str, Any], percentiles: list[float]) -> None:
             ("Total token throughput (tok/s):", result["total_token_throughput"])]
     if "prefix_cache_hit_rate" in result:   # NOTE: from the server's /metrics, where it exports them
         rows.append(("Prefix cache hit rate (%):", 100.0 * result["prefix_cache_hit_rate"]))
-    print("{:=^50}".format(" Serving Benchmark Result "))
+    lines = ["{:=^50}".format(" Serving Benchmark Result ")]
     for label, value in rows:
-        print(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
+        lines.append(f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}")
     for name, label, header in LATENCY_SECTIONS:
         if f"mean_{name}_ms" not in result:
             continue   # NOTE: the client-queue ones exist under a max_concurrency only
-        print("{:-^50}".format(header))
+        lines.append("{:-^50}".format(header))
         for stat in ("mean", "median", *[f"p{percentile_word(p)}" for p in percentiles]):
-            print(f"{stat.capitalize() + ' ' + label + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
+            lines.append(f"{stat.capitalize() + ' ' + label + ' (ms):':<40} {result[f'{stat}_{name}_ms']:<10.2f}")
     spec = speculative_rows(result)   # NOTE: from the server's /metrics, when it speculates and exports them
     if spec:
-        print("{:-^50}".format("Speculative Decoding"))
+        lines.append("{:-^50}".format("Speculative Decoding"))
         for label, value in spec:
-            print(f"{label + ':':<40} {value:<10}")
-    print("=" * 50)
+            lines.append(f"{label + ':':<40} {value:<10}")
+    lines.append("=" * 50)
+    return "\n".join(lines)
 
 
 def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
@@ -177,19 +181,20 @@ def bench(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     # NOTE: inf is not JSON; vLLM writes it as the string "inf".
     (run_dir / "results.json").write_text(json.dumps(
         {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in result.items()}, indent=2))
+    table = result_table(result, percentiles)
+    log.info(f"results ({run_dir / 'results.json'}):\n{table}")
     if options.print_table:
-        print_table(result, percentiles)
+        print(table)
         print(f"results: {run_dir / 'results.json'}")
     return result
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="bench_serve")
 def main(cfg: DictConfig) -> float | None:
-    try:
-        return float(bench(cfg, Path(HydraConfig.get().runtime.output_dir))["output_throughput"])
-    except Exception as raw:  # noqa: BLE001 - one clear message for the user's mistakes
-        exit_on_lab_error(raw)
+    return run_job(lambda run_dir: bench(cfg, run_dir))
 
+
+cli = console_script(main)   # NOTE: the `lab-bench-serve` console script
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -2,24 +2,24 @@
 results. The only module that touches DictConfig.
 
 Single runs exit with code 2 and one clear message on bad input; in a multirun sweep a failing job
-records the failure in its results.json / error.json, and the sweep goes on.
+records the failure in its results.json / error.json, the sweep goes on, and `lab -m` exits 1 at the end
+(lab/hydra_job.py).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import difflib
+import logging
 import math
-import sys
+import re
 import time
-import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -29,6 +29,7 @@ from lab.config_check import check_call, check_group, check_target_config, check
 from lab.engines.base import Engine, RunResult
 from lab.metrics.summary import check_slo, summarize
 from lab.errors import LabError
+from lab.hydra_job import console_script, run_job
 from lab.metrics.report import format_table, request_record, write_results
 from lab.request import Request
 from lab.runner import ModelRunner
@@ -36,41 +37,56 @@ from lab.runner.device import cuda_memory_mb, peak_rss_mb
 from lab.workloads import SamplingDefaults
 from lab.workloads.arrivals import ArrivalProcess
 
+log = logging.getLogger("lab.run")   # NOTE: the job's record in run.log (conf/hydra/job_logging/lab.yaml)
 ARRIVAL_KEYS = ("request_rate", "burstiness", "max_concurrency", "num_warmups")
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """Hydra wraps constructor errors in InstantiationException; surface the user's LabError."""
-    while isinstance(exc, InstantiationException) and exc.__cause__ is not None:
-        exc = exc.__cause__
-    return exc
-
-
-def exit_on_lab_error(raw: BaseException) -> NoReturn:
-    """For the console scripts' mains: a LabError (possibly wrapped by Hydra) becomes one message on
-    stderr and exit code 2; anything else is a bug and propagates with its traceback."""
-    exc = _unwrap(raw)
-    if not isinstance(exc, LabError):
-        raise raw
-    print(f"error: {exc}", file=sys.stderr)
-    sys.exit(2)
 
 
 # NOTE: the groups `run` builds with hydra's instantiate, and what it passes them besides their settings
 RUN_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("logger", ()), ("engine", ("runner", "seed")), ("metrics", ()), ("profiler", ()))
 TOP_LEVEL_SETTINGS = {"seed": int, "threads": int | None}   # of the configs that have them (run, serve, train)
+LAB_TOP_LEVEL = frozenset({"model", "engine", "workload", "metrics", "profiler", "logger", "sampling", "seed",
+                           "threads", "print_table", "hydra"})
+OTHER_SCRIPTS = {"bench_serve.yaml": "lab-bench-serve", "serve.yaml": "lab-serve", "train.yaml": "lab-train"}
+INTERPOLATED_NAME = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_]\w*)")   # ${concurrency}, ${oc.select:concurrency,4}
 
 
 def check_run_config(cfg: DictConfig) -> None:
     """Every group `run` builds, against what it builds (lab/config_check.py), before anything is built: a typo in
     the workload fails in a second, not after the model has loaded."""
+    check_top_level_keys(cfg)
     check_model_config(cfg)
     for path, supplied in RUN_GROUPS:
         check_group(cfg, path, supplied)
     check_slo(OmegaConf.to_container(cfg.metrics, resolve=True).get("slo"))
     split_workload(cfg)
     checked_kwargs(SamplingDefaults, cfg.sampling, "sampling")
+
+
+def check_top_level_keys(cfg: DictConfig) -> None:
+    """A top-level key is one of `lab`'s settings or a variable some config interpolates (an experiment's
+    `concurrency`, read by the groups it sweeps); any other does nothing, so it is a mistake: `+seeed=1`, a setting
+    of another script, or an experiment of another script (`+experiment=serving` is experiments/serving.py's)."""
+    texts = [repr(OmegaConf.to_container(cfg, resolve=False))]
+    texts += [path.read_text() for path in Path(CONF_DIR).rglob("*.yaml")]
+    interpolated = {name for text in texts for name in INTERPOLATED_NAME.findall(text)}
+    unknown = [key for key in cfg if key not in LAB_TOP_LEVEL and key not in interpolated]
+    if not unknown:
+        return
+    fixes = []
+    if "serving" in unknown:   # NOTE: +experiment=serving or serving_spec; its other keys are lab-bench-serve's
+        fixes.append("the serving experiments run with `python experiments/serving.py +experiment=NAME`")
+    else:
+        for file_name, script in OTHER_SCRIPTS.items():
+            if theirs := [key for key in unknown if key in OmegaConf.load(Path(CONF_DIR) / file_name)]:
+                what = "settings" if len(theirs) > 1 else "a setting"
+                fixes.append(f"{', '.join(theirs)}: {what} of `{script}` (conf/{file_name}), not of `lab`")
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(LAB_TOP_LEVEL - {"hydra"}), n=1)
+        if close:
+            fixes.append(f"did you mean {close[0]}?")
+    raise LabError(f"unknown top-level setting{'s' if len(unknown) > 1 else ''} for `lab`: {', '.join(unknown)}",
+                   "; ".join(fixes) or "remove it, or set it inside its group (e.g. workload.<key>)")
 
 
 def check_model_config(cfg: DictConfig) -> None:
@@ -217,8 +233,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # NOTE: engines build what they need (HF models, KV pools, drafts) here, so it counts as load
         load = {"phase/load_s": time.perf_counter() - load_start, "memory/load_peak_mb": peak_rss_mb(),
                 **{f"memory/load_{k}": v for k, v in cuda_memory_mb(runner.device).items()}}
+        log.info(f"loaded {runner.model_id} ({runner.device}, {runner.dtype}) and engine {engine.name} in "
+                 f"{load['phase/load_s']:.1f} s")
         metrics = instantiate(cfg.metrics)
         requests, warmups, arrival, workload_name = build_requests(cfg, runner)
+        log.info(f"workload {workload_name}: {len(requests)} requests ({len(warmups)} warm-ups), request_rate "
+                 f"{arrival.request_rate}, max_concurrency {arrival.max_concurrency}")
         if warmups:
             engine.run(warmups)
             engine.reset_caches()   # NOTE: a warm-up copies a measured request: its cached prefix would serve it
@@ -251,33 +271,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             logger.log_artifact(path, artifact_name, kind="profile")
         logger.log_summary({k: v for k, v in results.items() if isinstance(v, (int, float)) and v is not None})
         logger.log_table("requests", [request_record(r, runner.tokenizer) for r in outcome.requests])
+        table = format_table(results)
+        log.info(f"results ({run_dir / 'results.json'}):\n{table}")
         if cfg.print_table:
-            print(format_table(results))
+            print(table)
             print(f"results: {run_dir / 'results.json'}")
         exit_code = 0
         return results
     finally:
         logger.finish(exit_code)
-
-
-JOB_OUTPUTS = ("results.json", "error.json", "requests.jsonl", "utilization.jsonl")
-
-
-def clear_job_outputs(run_dir: Path) -> None:
-    """A job dir reused (the same hydra.sweep.dir run again) must not mix an earlier run's results or error.json
-    with this one's: the analysis would skip a job that now succeeds, or read numbers it did not produce."""
-    for name in JOB_OUTPUTS:
-        (run_dir / name).unlink(missing_ok=True)
-
-
-def record_failure(run_dir: Path, message: str, exc: BaseException) -> None:
-    """A failed job still leaves a results.json (completed 0, the error) and error.json with the traceback."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "error.json").write_text(json.dumps(
-        {"error": message, "traceback": traceback.format_exception(exc)}, indent=2))
-    if not (run_dir / "results.json").exists():
-        (run_dir / "results.json").write_text(json.dumps({"failed_job": True, "error": message, "completed": 0},
-                                                         indent=2))
 
 
 # NOTE: an absolute path: the `lab` console script has no calling file for Hydra to resolve "../conf" from.
@@ -286,27 +288,10 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
-    is_multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    clear_job_outputs(run_dir)
-    try:
-        return float(run(cfg, run_dir)["output_throughput"])
-    except KeyboardInterrupt as exc:
-        record_failure(run_dir, "interrupted (SIGINT) before the run finished", exc)
-        print(f"interrupted: nothing measured was kept; see {run_dir / 'error.json'}", file=sys.stderr)
-        sys.exit(130)
-    except Exception as raw:  # noqa: BLE001 - turned into one message (run) or a recorded failure (sweep)
-        exc = _unwrap(raw)
-        message = str(exc) if isinstance(exc, LabError) else f"{type(exc).__name__}: {exc}"
-        record_failure(run_dir, message, exc)
-        print(f"error: {message}", file=sys.stderr)
-        if is_multirun:
-            return None  # NOTE: one failing job must not sink the sweep
-        if not isinstance(exc, LabError):
-            traceback.print_exception(exc)
-        sys.exit(2)
+    return run_job(lambda run_dir: run(cfg, run_dir))
 
+
+cli = console_script(main)   # NOTE: the `lab` console script
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -1,5 +1,6 @@
 """PlotsCallback: a Hydra callback that draws a sweep's plots (experiments/plots.py) when a multirun ends;
-AnalysisCallback runs an experiment's own analysis script (its `main([sweep_dir])`) the same way.
+AnalysisCallback runs an experiment's own analysis script (its `main([sweep_dir])`) the same way;
+FailedJobsCallback lists the jobs that failed, last, and leaves them in SWEEP_FAILURES for the exit code.
 
     hydra:
       callbacks:
@@ -7,12 +8,13 @@ AnalysisCallback runs an experiment's own analysis script (its `main([sweep_dir]
           _target_: lab.sweep_callback.PlotsCallback
 
 Owns: finding the sweep dir and the plotting script, and reporting where the plots went. Ignores: what is
-plotted. Besides lab/run.py, the one module under lab/ that imports hydra (for the Callback base class).
+plotted. Imports hydra for the Callback base class (as do lab/run.py and lab/hydra_job.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +26,8 @@ from omegaconf import DictConfig
 import lab
 
 SCRIPT = Path("experiments") / "plots.py"
+# NOTE: (job dir, error) of the last multirun's failed jobs; lab.hydra_job turns a non-empty list into exit code 1
+SWEEP_FAILURES: list[tuple[Path, str]] = []
 
 
 def load_plots_module(script: str | Path | None = None, module_name: str = "lab_sweep_plots") -> ModuleType:
@@ -70,3 +74,37 @@ class AnalysisCallback(Callback):
             load_plots_module(self.script, f"lab_analysis_{Path(self.script).stem}").main([str(sweep_dir)])
         except Exception as exc:  # noqa: BLE001 - the sweep's results are already on disk
             print(f"warning: analysis {self.script} of {sweep_dir} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def job_failure(job_dir: Path) -> str | None:
+    """Why a job failed (its error.json's message), or None when it finished."""
+    error_file, results_file = job_dir / "error.json", job_dir / "results.json"
+    if error_file.is_file():
+        try:
+            return str(json.loads(error_file.read_text()).get("error", "see error.json"))
+        except (OSError, ValueError, AttributeError):
+            return "see error.json"
+    return None if results_file.is_file() else "no results.json: the job did not finish"
+
+
+def sweep_failures(sweep_dir: Path) -> tuple[int, list[tuple[Path, str]]]:
+    """(number of jobs, (job dir, error) of each failed one). A job dir is wherever Hydra wrote `.hydra/`."""
+    job_dirs = sorted({p.parent for p in Path(sweep_dir).rglob(".hydra")} - {Path(sweep_dir)})
+    failures = [(job_dir, error) for job_dir in job_dirs if (error := job_failure(job_dir)) is not None]
+    return len(job_dirs), failures
+
+
+class FailedJobsCallback(Callback):
+    """After the multirun (and, registered first, after every other callback): one line per failed job on stderr.
+    A failing job does not stop the sweep; this makes sure it is not missed either."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        SWEEP_FAILURES.clear()
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        num_jobs, failures = sweep_failures(Path(str(config.hydra.sweep.dir)))
+        SWEEP_FAILURES[:] = failures
+        if failures:
+            lines = [f"{len(failures)} of {num_jobs} jobs failed (exit code 1; the other jobs' results stand):"]
+            lines += [f"  {job_dir}: {error.splitlines()[0]}" for job_dir, error in failures]
+            print("\n".join(lines), file=sys.stderr)

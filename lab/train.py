@@ -22,10 +22,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lab.config_check import check_group, checked_kwargs
-from lab.run import CONF_DIR, check_model_config, exit_on_lab_error
+from lab.run import CONF_DIR, check_model_config
 from lab.runner import ModelRunner
 from lab.drafters.checkpoint import resolve_checkpoint
 from lab.errors import LabError
+from lab.hydra_job import console_script, exit_on_lab_error
 from lab.training.data import DataConfig
 from lab.training.recipe import TrainConfig, check_drafter_options, train_drafter
 
@@ -73,5 +74,7 @@ def main(cfg: DictConfig) -> None:
         exit_on_lab_error(raw)
 
 
+cli = console_script(main)   # NOTE: the `lab-train` console script
+
 if __name__ == "__main__":
-    main()
+    cli()

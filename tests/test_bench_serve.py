@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +218,16 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{model_name="m"} 0.0
 """
+
+
+def test_a_sweep_against_a_dead_endpoint_records_each_failure_and_exits_1(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "lab.bench_serve", "-m", "endpoint=http://127.0.0.1:9/v1",
+                           "ready_timeout_s=1", "workload.num_prompts=1,2", f"hydra.sweep.dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [json.loads(p.read_text())["error"] for p in sorted(tmp_path.rglob("error.json"))]
+    assert len(errors) == 2 and all("is not ready after 1 s" in e for e in errors)   # the second job still ran
+    assert "2 of 2 jobs failed" in proc.stderr
 
 
 def test_spec_counters_are_read_from_any_servers_prometheus_text() -> None:

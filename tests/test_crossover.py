@@ -45,7 +45,7 @@ def _write_sweep(root: Path, min_prompt_lens: tuple[int | None, ...] = (None,)) 
                 (job / "results.json").write_text(json.dumps(results))
                 num += 1
     (root / "failed").mkdir()
-    (root / "failed" / "error.json").write_text("{}")
+    (root / "failed" / "error.json").write_text("{}")   # NOTE: no message in it
     return root
 
 
@@ -68,6 +68,7 @@ def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, c
     assert (out / "crossover.png").stat().st_size > 10_000
     data = json.loads((out / "crossover.json").read_text())
     assert data["axis"] == "concurrency" and len(data["rows"]) == 9
+    assert data["failed_jobs"] == [{"job": str(sweep / "failed"), "error": "see error.json"}]
     by_method = {p["method"]: p for p in data["crossovers"]}
     assert by_method["EAGLE"]["crossover"] == pytest.approx(2 ** (2 + 0.2 / 0.4 * 2))
     assert by_method["DFlash"]["crossover"] is None and "still above" in by_method["DFlash"]["status"]

@@ -99,7 +99,8 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Co
          "workload.input_len=8", "workload.output_len=4,5000", "engine=ar,ar_nocache", "print_table=false",
          f"hydra.sweep.dir={sweep_dir}", "++hydra.callbacks.plots._target_=lab.sweep_callback.PlotsCallback"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]   # NOTE: the sweep ran to its end; two of its jobs failed
+    assert "2 of 4 jobs failed" in proc.stderr
     return sweep_dir, proc
 
 
@@ -176,7 +177,8 @@ def test_callback_plots_a_sweep_and_lists_failed_jobs(tmp_path: Path, capsys: py
     assert [p for p in expected if f"plots: {tmp_path / 'plots' / p}" not in printed] == []
     assert f"skipped (failed or unfinished): {failed}" in printed
     table = (tmp_path / "plots" / "summary.md").read_text().splitlines()
-    assert table[0].startswith("| engine | input_len |") and len(table) == 2 + 4, table
+    assert table[0].startswith("| engine | input_len |") and len(table) == 2 + 4 + 4, table
+    assert table[-3:] == ["Failed jobs (1, not in the table above):", "", f"- `{failed.name}`: too long"]
 
 
 def test_jobs_nested_by_a_group_override_with_a_slash_are_found(tmp_path: Path) -> None:
@@ -188,7 +190,7 @@ def test_jobs_nested_by_a_group_override_with_a_slash_are_found(tmp_path: Path) 
 
 
 def test_a_reused_job_dir_starts_without_the_earlier_runs_outputs(tmp_path: Path) -> None:
-    from lab.run import JOB_OUTPUTS, clear_job_outputs
+    from lab.hydra_job import JOB_OUTPUTS, clear_job_outputs
 
     for name in (*JOB_OUTPUTS, "run.log"):
         (tmp_path / name).write_text("{}")

@@ -76,6 +76,9 @@ def test_file_workload_matches_hf_greedy_through_the_cli(tmp_path: Path, tiny_te
                    f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Output token throughput" in proc.stdout
+    run_log = (tmp_path / "run" / "run.log").read_text()   # NOTE: the job's record: what ran, the same table
+    assert "[lab.run][INFO] - loaded tiny-llama" in run_log and "workload file: 2 requests" in run_log
+    assert "Output token throughput" in run_log and "Output token throughput" not in proc.stderr
     records = [json.loads(x) for x in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
     tokenizer = tiny_text_runner.tokenizer
     first = tokenizer.encode("The quick brown fox", add_special_tokens=False)
@@ -87,17 +90,75 @@ def test_file_workload_matches_hf_greedy_through_the_cli(tmp_path: Path, tiny_te
 def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
     proc = lab_cli("-m", "model=tiny", "workload.num_prompts=1", "workload.input_len=8",
                    "workload.output_len=2,5000", f"hydra.sweep.dir={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
     jobs = sorted(p for p in tmp_path.iterdir() if p.is_dir() and p.name[0].isdigit())  # not plots/, .submitit
     assert len(jobs) == 2, [p.name for p in jobs]
-    assert (jobs[0] / "results.json").is_file()
+    assert (jobs[0] / "results.json").is_file() and not (jobs[0] / "error.json").exists()
     error = json.loads((jobs[1] / "error.json").read_text())["error"]
     assert "exceeds the model's context" in error
+    run_log = (jobs[1] / "run.log").read_text()
+    assert "[lab][ERROR] - error: request random-0" in run_log and "the error's traceback:\nTraceback" in run_log
+    assert proc.stderr.count("error: request random-0") == 1 and "Traceback" not in proc.stderr
+    # NOTE: the sweep ran to its end (plots included), then says which job failed, last, and exits 1
+    assert (tmp_path / "plots" / "summary.md").is_file()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.rstrip().splitlines()[-2:] == ["1 of 2 jobs failed (exit code 1; the other jobs' results stand):",
+                                                      f"  {jobs[1]}: {error.splitlines()[0]}"]
+
+
+def test_a_sweep_of_finished_jobs_exits_0_and_reports_no_failures(tmp_path: Path) -> None:
+    from lab.sweep_callback import sweep_failures
+    for i, files in enumerate([("results.json",), ("results.json", "error.json"), ()]):
+        job = tmp_path / f"{i}_x" / "nested"
+        (job / ".hydra").mkdir(parents=True)
+        for name in files:
+            (job / name).write_text(json.dumps({"error": "boom\ndetail"}))
+    num_jobs, failures = sweep_failures(tmp_path)
+    assert num_jobs == 3
+    assert [(p.parent.name, error) for p, error in failures] == [
+        ("1_x", "boom\ndetail"), ("2_x", "no results.json: the job did not finish")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["engine=nosuch"], "Could not find 'engine/nosuch'"),     # Hydra's own message (it would exit 1)
+    (["engine=["], "override_grammar"),
+    (["+experiment=serving"], "python experiments/serving.py +experiment=NAME"),
+])
+def test_bad_config_names_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    proc = lab_cli("model=tiny", "logger=none", f"hydra.run.dir={tmp_path}", *args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("+seeed=3", "did you mean seed?"),
+    ("+api=chat", "api: a setting of `lab-bench-serve` (conf/bench_serve.yaml), not of `lab`"),
+    ("+concurency=4", "remove it, or set it inside its group"),
+])
+def test_an_unknown_top_level_setting_is_named(override: str, fix: str) -> None:
+    from lab.errors import LabError
+    from lab.run import check_top_level_keys
+    with pytest.raises(LabError, match="unknown top-level setting for `lab`") as caught:
+        check_top_level_keys(compose_cfg(["model=tiny", override]))
+    assert fix in str(caught.value)
+
+
+def test_every_lab_experiment_passes_the_top_level_check(tmp_path: Path) -> None:
+    from lab.errors import LabError
+    from lab.run import check_top_level_keys
+    check_top_level_keys(compose_cfg(["engine=static", "+concurrency=4"]))   # ${oc.select:concurrency,8} reads it
+    check_top_level_keys(compose_cfg(["+my_len=4", "workload.output_len=${my_len}"]))
+    for path in sorted((Path(CONF_DIR) / "experiment").glob("*.yaml")):
+        cfg = compose_cfg([f"+experiment={path.stem}", f"hydra.run.dir={tmp_path}"], run_dir=tmp_path)
+        if path.stem.startswith("serving"):   # experiments/serving.py's, not lab's
+            with pytest.raises(LabError, match="experiments/serving.py"):
+                check_top_level_keys(cfg)
+        else:
+            check_top_level_keys(cfg)
 
 
 def test_console_script_composes_from_any_directory(tmp_path: Path) -> None:
     scripts = (REPO / "pyproject.toml").read_text()
-    assert 'lab = "lab.run:main"' in scripts
+    assert 'lab = "lab.run:cli"' in scripts
     lab_script = Path(sys.executable).parent / "lab"
     proc = subprocess.run([str(lab_script), "--cfg", "job", "engine=cb_paged"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)

@@ -1,5 +1,5 @@
 """`python -m lab.serve`: see lab/serve/cli.py."""
 
-from lab.serve.cli import main
+from lab.serve.cli import cli
 
-main()
+cli()

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lab.config_check import check_target_config
 from lab.engines.base import Engine
-from lab.run import build_runner, check_model_config, exit_on_lab_error
+from lab.hydra_job import console_script, exit_on_lab_error
+from lab.run import build_runner, check_model_config
 from lab.serve.app import OpenAIServer, ServeOptions, create_app
 from lab.serve.engine_loop import EngineClient, ThreadEngineClient
 from lab.serve.replicas import ReplicaRouter
@@ -114,5 +115,7 @@ def main(cfg: DictConfig) -> None:
         exit_on_lab_error(raw)
 
 
+cli = console_script(main)   # NOTE: the `lab-serve` console script
+
 if __name__ == "__main__":
-    main()
+    cli()
