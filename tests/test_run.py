@@ -101,8 +101,8 @@ def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
     # NOTE: the sweep ran to its end (plots included), then says which job failed, last, and exits 1
     assert (tmp_path / "plots" / "summary.md").is_file()
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.rstrip().splitlines()[-2:] == ["1 of 2 jobs failed (exit code 1; the other jobs' results stand):",
-                                                      f"  {jobs[1]}: {error.splitlines()[0]}"]
+    assert proc.stderr.rstrip().splitlines()[-2:] == [
+        "1 of 2 jobs failed (exit code 1; the other jobs' results stand):", f"  {jobs[1]}: {error.splitlines()[0]}"]
 
 
 def test_a_sweep_of_finished_jobs_exits_0_and_reports_no_failures(tmp_path: Path) -> None:
