@@ -132,6 +132,78 @@ def test_seeded_sampling_repeats(client: openai.OpenAI) -> None:
     assert len({sample(s) for s in range(4)}) > 1, "different seeds gave one text"
 
 
+def _sse_chunks(response: httpx.Response) -> list[dict[str, Any]]:
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "[DONE]" not in lines[:-1], lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_n_samples_are_the_requests_seeded_seed_plus_i_streaming_and_not(served: Served, client: openai.OpenAI
+                                                                          ) -> None:
+    """n choices are n engine requests; as in vLLM, choice i of a seeded request samples with seed + i."""
+    sampled = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(seed=7 + i, **sampled).choices[0].text for i in range(3)]
+    whole = client.completions.create(n=3, seed=7, **sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.text for c in whole.choices] == alone and len(set(alone)) > 1
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(PROMPT), 30)   # the prompt once
+    body = {**sampled, **sampled.pop("extra_body"), "n": 3, "seed": 7, "stream": True,
+            "stream_options": {"include_usage": True}}
+    chunks = _sse_chunks(httpx.post(served.url + "/v1/completions", json=body, timeout=60))
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        finishes[choice["index"]] = choice["finish_reason"] or finishes[choice["index"]]
+    assert texts == alone and finishes == ["length"] * 3
+    assert len({c["id"] for c in chunks}) == 1 and chunks[-1]["usage"]["completion_tokens"] == 30
+    served.wait_idle()
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_prompt_order(served: Served, client: openai.OpenAI,
+                                                                 tiny_text_runner: ModelRunner) -> None:
+    other = [7, 77, 777, 7777]
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    tokenizer = tiny_text_runner.tokenizer
+    expected = [tokenizer.decode(reference_tokens(tiny_text_runner, p, 6), skip_special_tokens=True)
+                for p in (PROMPT, other)]
+    assert [(c.index, c.text) for c in out.choices] == [(0, expected[0]), (1, expected[0]), (2, expected[1]),
+                                                        (3, expected[1])]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(PROMPT) + len(other), 4 * 6)
+    texts = client.completions.create(model=MODEL, prompt=["The sky is", "Two plus two is"], max_tokens=4,
+                                      temperature=0)
+    assert [c.index for c in texts.choices] == [0, 1] and texts.choices[0].text != texts.choices[1].text
+
+
+def test_chat_streams_each_choice_with_its_own_role_chunk(served: Served) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "n": 2,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    chunks = _sse_chunks(httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60))
+    by_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for chunk in chunks:
+        by_index[chunk["choices"][0]["index"]].append(chunk["choices"][0])
+    for choices in by_index.values():
+        assert choices[0]["delta"]["role"] == "assistant" and choices[-1]["finish_reason"] == "length"
+    assert [c["delta"].get("content") for c in by_index[0]] == [c["delta"].get("content") for c in by_index[1]]
+    served.wait_idle()
+
+
+def test_choices_count_against_the_queue_and_a_disconnect_frees_them_all(tiny_text_runner: ModelRunner) -> None:
+    served = Served(tiny_text_runner, max_queue_len=2,
+                    engine=ContinuousBatchingEngine(tiny_text_runner, SchedulerConfig(max_num_seqs=4)))
+    with served.thread:
+        response = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 3})
+        assert response.status_code == 429 and "3 more asked" in response.json()["error"]["message"], response.text
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1500, "n": 2, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", served.url + "/v1/completions", json=body) as stream:
+                assert stream.status_code == 200
+                next(line for line in stream.iter_lines() if line.startswith("data:"))
+        served.wait_idle()
+        assert served.engine.kv_manager.num_held_blocks == 0
+
+
 def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(served.url + "/health").status_code == 200
@@ -175,7 +247,10 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("temperature a string", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("temperature negative", {"model": MODEL, "prompt": "hi", "temperature": -1.0}, 400, "temperature"),
     ("top_p zero", {"model": MODEL, "prompt": "hi", "top_p": 0.0}, 400, "top_p"),
-    ("n 2", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("n 0", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("n past OpenAI's 128", {"model": MODEL, "prompt": "hi", "n": 129}, 400, "n"),
+    ("too many choices", {"model": MODEL, "prompt": ["hi"] * 20, "n": 128}, 400, "prompt"),
+    ("an empty prompt in a batch", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("token id out of range", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),

@@ -124,15 +124,16 @@ class OpenAIServer:
             session.sink.put_nowait(RequestOutput(request_id, [], "abort", "the server shut down"))
 
     # -- generation --------------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self, num_requests: int) -> None:
+        """Count a request's engine requests (one per choice) as outstanding, or refuse them all."""
         if self.is_draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        if self.num_outstanding >= self.options.max_queue_len:
+        if self.num_outstanding + num_requests > self.options.max_queue_len:
             self.metrics.rejected.labels(self.options.model_name, "queue_full").inc()
-            raise APIError(429, f"the server is at capacity: {self.num_outstanding} requests outstanding "
-                           f"(serve.max_queue_len={self.options.max_queue_len}); retry later",
-                           type="rate_limit_error", code="queue_full")
-        self.num_outstanding += 1
+            raise APIError(429, f"the server is at capacity: {self.num_outstanding} requests outstanding, "
+                           f"{num_requests} more asked (serve.max_queue_len={self.options.max_queue_len}); retry "
+                           "later", type="rate_limit_error", code="queue_full")
+        self.num_outstanding += num_requests
 
     def release(self, session: sessions.Session) -> None:
         self.num_outstanding -= 1
@@ -141,41 +142,56 @@ class OpenAIServer:
                                       session.token_times)
 
     async def generate(self, http_request: HTTPRequest, kind: Endpoint, body: SamplingFields,
-                       prompt_token_ids: list[int], max_tokens: int) -> Response:
-        params = body.sampling_params(max_tokens)
+                       prompts: list[tuple[list[int], int]]) -> Response:
+        """prompts: (token ids, max_tokens) each; every prompt gets body.n choices, each its own engine request."""
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        request = Request(f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids, params, arrival_time=time.perf_counter())
-        try:
-            self.client.validate(request)
-        except LabError as exc:
-            raise APIError(400, exc.one_line, code="invalid_request") from None
-        self.admit()
-        self.metrics.prompt_tokens.labels(self.options.model_name).inc(len(prompt_token_ids))
-        session = sessions.Session(kind, self.options.model_name, request, self.client,
-                                   IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
-                                   body.include_usage, self.release)
-        self.sessions[request.request_id] = session
-        session.submit()
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        now = time.perf_counter()
+        choices = [(p, i) for p in range(len(prompts)) for i in range(body.n)]
+        requests = []
+        for index, (prompt_index, sample_index) in enumerate(choices):
+            prompt_token_ids, max_tokens = prompts[prompt_index]
+            # NOTE: one choice keeps the response's id as the engine's; several get -<index> (vLLM: <index>_<id>)
+            request_id = response_id if len(choices) == 1 else f"{response_id}-{index}"
+            request = Request(request_id, prompt_token_ids, body.sampling_params(max_tokens, sample_index),
+                              arrival_time=now)
+            try:
+                self.client.validate(request)
+            except LabError as exc:
+                raise APIError(400, exc.one_line, code="invalid_request") from None
+            requests.append(request)
+        self.admit(len(requests))
+        self.metrics.prompt_tokens.labels(self.options.model_name).inc(sum(len(p) for p, _ in prompts))
+        group = [sessions.Session(kind, self.options.model_name, request, response_id, index, choices[index][0],
+                                  self.client, IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
+                                  body.include_usage, self.release)
+                 for index, request in enumerate(requests)]
+        for session in group:
+            self.sessions[session.request.request_id] = session
+            session.submit()
         if not body.stream:
-            response = await sessions.collect(session, http_request)
+            response = await sessions.collect(group, http_request)
             return Response(status_code=499) if response is None else JSONResponse(response)
-        first = await sessions.first_output(session, http_request)
-        if first is None:
+        firsts = await sessions.first_outputs(group, http_request)
+        if firsts is None:
             return Response(status_code=499)
-        return sessions.SessionStreamingResponse(session, sessions.stream_events(session, first))
+        return sessions.SessionStreamingResponse(group, sessions.stream_events(group, firsts))
 
     async def completions(self, http_request: HTTPRequest) -> Response:
         body: CompletionRequest = await self.parse(http_request, CompletionRequest)
-        prompt_token_ids = self.tokenize_prompt(body.single_prompt())
-        max_tokens = self.max_tokens(body.max_tokens, len(prompt_token_ids), "max_tokens", "prompt")
-        return await self.generate(http_request, "completion", body, prompt_token_ids, max_tokens)
+        prompts = []
+        for prompt in body.prompts():
+            prompt_token_ids = self.tokenize_prompt(prompt)
+            prompts.append((prompt_token_ids, self.max_tokens(body.max_tokens, len(prompt_token_ids), "max_tokens",
+                                                              "prompt")))
+        return await self.generate(http_request, "completion", body, prompts)
 
     async def chat_completions(self, http_request: HTTPRequest) -> Response:
         body: ChatCompletionRequest = await self.parse(http_request, ChatCompletionRequest)
         prompt_token_ids = self.tokenize_chat(body)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.requested_max_tokens, len(prompt_token_ids), param, "messages")
-        return await self.generate(http_request, "chat", body, prompt_token_ids, max_tokens)
+        return await self.generate(http_request, "chat", body, [(prompt_token_ids, max_tokens)])
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "lab",

@@ -15,6 +15,8 @@ from lab.errors import LabError
 from lab.request import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+MAX_N = 128          # OpenAI's limit on `n`
+MAX_CHOICES = 1024   # prompts x n of one request: each choice is an engine request (and counts towards the queue)
 
 
 class APIError(Exception):
@@ -86,9 +88,15 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; only n=1", param="n", code="unsupported_value")
+    @field_validator("n")
+    @classmethod
+    def _n_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}, got {value}")
+        return value
+
+    def sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
+        """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         try:
@@ -97,7 +105,8 @@ class SamplingFields(BaseModel):
                 # NOTE: OpenAI's default temperature is 1.0 (sampling); send 0 for greedy.
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_k=self.top_k if self.top_k is not None and self.top_k > 0 else 0,
-                top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                seed=None if self.seed is None else self.seed + sample_index,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
@@ -108,19 +117,22 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: bool = False
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt this server accepts per request (a batch of prompts is refused, not truncated)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (text or token ids), or a batch of them (a list of texts or of token-id
+        lists); each gets `n` choices, indexed prompt by prompt as in vLLM (choice p * n + i)."""
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"got {len(prompt)} prompts in one request; send one prompt per request",
-                               param="prompt", code="unsupported_value")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise APIError(400, "prompt is empty", param="prompt")
-        return prompt
+        is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts: list[str | list[int]] = list(prompt) if is_batch else [prompt]   # type: ignore[arg-type]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={self.n} = {len(prompts) * self.n} choices; at most "
+                           f"{MAX_CHOICES} per request", param="prompt")
+        for i, one in enumerate(prompts):
+            if len(one) == 0:
+                raise APIError(400, "prompt is empty" if not is_batch else f"prompt {i} of the batch is empty",
+                               param="prompt")
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -157,31 +169,34 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
-def completion_body(kind: Endpoint, request_id: str, model: str, text: str, finish_reason: str | None,
-                    num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
-    """The non-streaming response: one choice and its usage."""
+def choice_body(kind: Endpoint, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """One choice of a non-streaming response."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def completion_body(kind: Endpoint, request_id: str, model: str, choices: list[dict[str, Any]],
+                    num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+    """The non-streaming response: its choices (choice_body) and the usage of them all."""
+    obj = "text_completion" if kind == "completion" else "chat.completion"
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
             "usage": usage(num_prompt_tokens, num_output_tokens)}
 
 
 def chunk_body(kind: Endpoint, request_id: str, model: str, text: str | None, finish_reason: str | None,
-               role: bool = False) -> dict[str, Any]:
-    """One streamed chunk; a chat stream's first chunk also carries the assistant role."""
+               role: bool = False, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; a chat stream's first chunk of each choice also carries the role."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": None,
+                                  "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 

@@ -1,7 +1,11 @@
 """One HTTP request's generation: submit to the engine client, turn outputs into text, stream or collect.
 
-Owns: the per-request state (detokenizer, token times, finish reason), aborting on disconnect or a stop
-string, and releasing the request exactly once. Ignores: routing and request parsing (app.py).
+A request with several choices (`n`, a batch of prompts) is a group of sessions, one engine request each, as
+vLLM's parallel sampling fans a request out into child requests: collected together, or streamed as their
+chunks come, each chunk naming its choice's index.
+
+Owns: the per-choice state (detokenizer, token times, finish reason), aborting on disconnect or a stop
+string, and releasing each engine request exactly once. Ignores: routing and request parsing (app.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ class Session:
     kind: Endpoint
     model: str
     request: Request
+    response_id: str                    # the HTTP response's id (one per group; request_id is the engine's)
+    index: int                          # the choice this session fills
+    prompt_index: int                   # which of the request's prompts it answers
     client: EngineClient
     detokenizer: IncrementalDetokenizer
     include_usage: bool
@@ -104,75 +111,139 @@ class Session:
         return "stop" if self.finish_reason == "stop_string" else self.finish_reason
 
 
-async def collect(session: Session, http_request: HTTPRequest) -> dict[str, Any] | None:
-    """Non-streaming: wait for the end and build the whole response (None: the client left first)."""
+async def _finish(session: Session, disconnect: "asyncio.Task[None]") -> bool:
+    """Consume one choice's outputs to its end and release it (False: the client left first)."""
+    while session.finish_reason is None:
+        output = await session.next_output(disconnect)
+        if output is None:
+            return False
+        session.consume(output)
+    session.close()   # NOTE: now, not with the group: a stop string frees its KV while the others still run
+    return True
+
+
+async def collect(group: list[Session], http_request: HTTPRequest) -> dict[str, Any] | None:
+    """Non-streaming: wait for every choice's end and build the whole response (None: the client left first)."""
     disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
     try:
-        while session.finish_reason is None:
+        if not all(await asyncio.gather(*(_finish(session, disconnect) for session in group))):
+            return None
+        for session in group:
+            session.raise_if_failed()
+        choices = [protocol.choice_body(s.kind, s.index, s.detokenizer.text, s.public_finish_reason()) for s in group]
+        first = group[0]
+        return protocol.completion_body(first.kind, first.response_id, first.model, choices,
+                                        group_prompt_tokens(group), sum(s.num_output_tokens for s in group))
+    finally:
+        disconnect.cancel()
+        for session in group:
+            session.close()
+
+
+def group_prompt_tokens(group: list[Session]) -> int:
+    """usage.prompt_tokens: each prompt once, however many choices it has (as vLLM counts them)."""
+    return sum({s.prompt_index: s.request.num_prompt_tokens for s in group}.values())
+
+
+async def first_outputs(group: list[Session], http_request: HTTPRequest) -> list[RequestOutput] | None:
+    """Streaming: wait for every choice's first output before sending headers, so an engine failure is still a
+    5xx (None: the client left first)."""
+    disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
+    firsts: list[RequestOutput] = []
+    try:
+        for session in group:
             output = await session.next_output(disconnect)
             if output is None:
-                return None
-            session.consume(output)
-        session.raise_if_failed()
-        text = session.detokenizer.text
-        return protocol.completion_body(session.kind, session.request.request_id, session.model, text,
-                                        session.public_finish_reason(), session.request.num_prompt_tokens,
-                                        session.num_output_tokens)
+                break
+            if output.finish_reason == "error":
+                session.consume(output)
+                for other in group:
+                    other.close()
+                session.raise_if_failed()
+            firsts.append(output)
     finally:
         disconnect.cancel()
-        session.close()
-
-
-async def first_output(session: Session, http_request: HTTPRequest) -> RequestOutput | None:
-    """Streaming: wait for the first output before sending headers, so an engine failure is still a 5xx
-    (None: the client left first)."""
-    disconnect = asyncio.ensure_future(wait_for_disconnect(http_request))
-    try:
-        output = await session.next_output(disconnect)
-    finally:
-        disconnect.cancel()
-    if output is None:
-        session.close()
+    if len(firsts) < len(group):
+        for session in group:
+            session.close()
         return None
-    if output.finish_reason == "error":
-        session.consume(output)
-        session.close()
-        session.raise_if_failed()
-    return output
+    return firsts
 
 
-async def stream_events(session: Session, first: RequestOutput) -> AsyncIterator[str]:
-    """SSE: a chunk per output with text (chat's first also carries the role), the finish, usage, [DONE]."""
-    rid, model, kind = session.request.request_id, session.model, session.kind
+async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator[dict[str, Any]]:
+    """One choice's chunks: one per output with text (chat's first also carries the role), then its finish; an
+    engine error ends it with an error event."""
+    kind, is_first = session.kind, True
     output: RequestOutput | None = first
-    is_first = True
     while output is not None:
         text = session.consume(output)
         finish = session.public_finish_reason()
         if session.finish_reason == "error":
-            yield sse({"error": APIError(500, f"generation failed: {session.error}", "server_error").body()["error"]})
-            break
+            yield {"error": APIError(500, f"generation failed: {session.error}", "server_error").body()["error"]}
+            return
         if text or finish is not None or (is_first and kind == "chat"):
-            yield sse(protocol.chunk_body(kind, rid, model, text if text or kind == "completion" else "",
-                                          finish, role=is_first and kind == "chat"))
+            yield protocol.chunk_body(kind, session.response_id, session.model,
+                                      text if text or kind == "completion" else "", finish,
+                                      role=is_first and kind == "chat", index=session.index)
             is_first = False
         output = None if finish is not None else await session.sink.get()
-    if session.include_usage:
-        yield sse(protocol.usage_chunk(kind, rid, model, session.request.num_prompt_tokens,
-                                       session.num_output_tokens))
+    session.close()
+
+
+async def merged(streams: list[AsyncIterator[dict[str, Any]]]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of several choices in the order they come (one choice: its own, with no task in between)."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield chunk
+        return
+    chunks: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for chunk in stream:
+                await chunks.put(chunk)
+        finally:
+            await chunks.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            chunk = await chunks.get()
+            if chunk is None:
+                remaining -= 1
+                continue
+            yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_events(group: list[Session], firsts: list[RequestOutput]) -> AsyncIterator[str]:
+    """SSE: every choice's chunks as they come, then the usage of them all (stream_options), then [DONE]; an
+    engine error in any choice ends the stream after its error event."""
+    async for chunk in merged([choice_chunks(s, first) for s, first in zip(group, firsts)]):
+        yield sse(chunk)
+        if "error" in chunk:
+            break
+    first = group[0]
+    if first.include_usage:
+        yield sse(protocol.usage_chunk(first.kind, first.response_id, first.model, group_prompt_tokens(group),
+                                       sum(s.num_output_tokens for s in group)))
     yield sse("[DONE]")
 
 
 class SessionStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its session however the stream ends (done, disconnect, or never
+    """A StreamingResponse that closes its sessions however the stream ends (done, disconnect, or never
     started because the client left before the first byte)."""
 
-    def __init__(self, session: Session, content: AsyncIterator[str]) -> None:
+    def __init__(self, group: list[Session], content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        self.session = session
+        self.group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.session.close()
+            for session in self.group:
+                session.close()
