@@ -9,11 +9,16 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lab.errors import LabError
 
+if TYPE_CHECKING:
+    from lab.sample.logprobs import TokenLogprobs
+
 SAMPLING_EPS = 1e-5        # vLLM's: a temperature below it is greedy (dividing logits by it overflows)
 SEED_RANGE = (-2**63, 2**63 - 1)   # vLLM's: a 64-bit signed seed
+MAX_LOGPROBS = 20                  # vLLM's default max_logprobs (and OpenAI's top_logprobs limit)
 
 
 @dataclass(slots=True)
@@ -27,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None   # None: none; k: each generated token's logprob and the k most likely (vLLM's)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -39,6 +45,9 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise LabError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise LabError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
+                           "ask for at most 20 top logprobs per token (vLLM's max_logprobs)")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise LabError(f"seed must be a 64-bit signed integer, got {self.seed}",
                            f"use a seed in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
@@ -74,6 +83,7 @@ class Request:
     arrival_time: float = 0.0          # seconds on the run's clock (time.perf_counter())
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)   # one per output token, if asked for
     num_computed_tokens: int = 0       # tokens whose KV is in the cache (vLLM's token-progress model)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     spec_parents: list[int] | None = None   # a tree of drafts: each one's parent (lab/spec/tree.py); None: a chain
@@ -103,9 +113,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int, eos_token_ids: set[int], now: float | None = None) -> bool:
-        """Record one generated token; returns True when the request has just finished."""
+    def append_output_token(self, token_id: int, eos_token_ids: set[int], now: float | None = None,
+                            logprobs: TokenLogprobs | None = None) -> bool:
+        """Record one generated token (and its logprobs, for a request that asked); returns True when the request
+        has just finished."""
         self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         self.token_times.append(time.perf_counter() if now is None else now)
         params = self.sampling_params
         # NOTE: vLLM's meaning: ignore_eos skips the EOS check only; stop_token_ids still stop

@@ -43,6 +43,16 @@ def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> Non
         assert record["ttft_ms"] <= record["e2el_ms"]
 
 
+def test_sampling_logprobs_go_into_requests_jsonl(tmp_path: Path) -> None:
+    cfg = compose_cfg(["model=tiny", "logger=none", "engine=cb_paged", "workload.num_prompts=2",
+                       "workload.input_len=8", "workload.output_len=4", "sampling.logprobs=2", "print_table=false"])
+    run(cfg, tmp_path)
+    for line in (tmp_path / "requests.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert len(record["output_logprobs"]) == 4 and all(e["rank"] == 1 for e in record["output_logprobs"])
+        assert [e["top"][0][0] for e in record["output_logprobs"]] == record["output_token_ids"]   # greedy
+
+
 @pytest.mark.parametrize("group", ["model", "engine", "workload", "metrics", "profiler", "logger"])
 def test_every_config_file_composes(group: str, tmp_path: Path) -> None:
     names = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))

@@ -23,6 +23,7 @@ from lab.engines.ar import AREngine
 from lab.engines.base import Engine
 from lab.engines.continuous import ContinuousBatchingEngine
 from lab.engines.speculative import SpeculativeEngine
+from lab.engines.static import StaticBatchEngine
 from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -204,6 +205,57 @@ def test_choices_count_against_the_queue_and_a_disconnect_frees_them_all(tiny_te
         assert served.engine.kv_manager.num_held_blocks == 0
 
 
+def _engine_logprobs(runner: ModelRunner, prompt: list[int], max_tokens: int, num_top: int) -> Request:
+    request = Request("ref", list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=num_top))
+    return AREngine(runner).run([request]).requests[0]
+
+
+def test_completion_logprobs_are_the_engines_streaming_and_not(served: Served, tiny_text_runner: ModelRunner) -> None:
+    reference = _engine_logprobs(tiny_text_runner, PROMPT, 8, 3)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    logprobs = httpx.post(served.url + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    tokenizer = tiny_text_runner.tokenizer
+    tokens = [tokenizer.decode([t]) for t in reference.output_token_ids]
+    assert logprobs["tokens"] == tokens
+    assert logprobs["token_logprobs"] == pytest.approx([e.logprob for e in reference.output_logprobs], abs=1e-5)
+    assert logprobs["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    for top, entry, token in zip(logprobs["top_logprobs"], reference.output_logprobs, tokens):
+        assert len(top) == 3 and top[token] == pytest.approx(entry.logprob, abs=1e-5)   # greedy: the top one
+    chunks = _sse_chunks(httpx.post(served.url + "/v1/completions", json={**body, "stream": True}, timeout=60))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert len(streamed) > 1
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for part in streamed for x in part[key]] == logprobs[key], key
+    plain = httpx.post(served.url + "/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None
+
+
+def test_chat_logprobs_list_each_token_with_its_top_alternatives(served: Served, client: openai.OpenAI,
+                                                                  tiny_text_runner: ModelRunner) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    reference = _engine_logprobs(tiny_text_runner, chat_prompt(tiny_text_runner.tokenizer, "Hi"), 6, 2)
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in reference.output_logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    assert all(bytes(c.bytes) == c.token.encode() for c in content)
+    stream = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [item for chunk in stream if chunk.choices[0].logprobs for item in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    response = httpx.post(served.url + "/v1/chat/completions", json={**kwargs, "logprobs": False,
+                                                                     "extra_body": None})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs", response.text
+
+
+def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
+    served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
+    with served.thread:
+        response = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 1})
+        assert response.status_code == 400 and "engine static does not compute logprobs" in response.text
+        assert httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}).status_code == 200
+
+
 def test_models_health_and_metrics(served: Served, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(served.url + "/health").status_code == 200
@@ -258,7 +310,9 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("generation over the context", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 2040}, 400, "max_tokens"),
     ("temperature NaN", b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, None),
     ("seed past 64 bits", {"model": MODEL, "prompt": "hi", "temperature": 1.0, "seed": 2**70}, 400, "seed"),
-    ("logprobs", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("logprobs past 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("logprobs true (the chat API's spelling)", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("prompt_logprobs", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("a penalty", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1.5}, 400, "frequency_penalty"),
     ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},

@@ -16,6 +16,7 @@ from lab.kv_cache import ContiguousKVCache, NoCache
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
 from lab.sample import Sampler
+from lab.sample.logprobs import token_logprobs
 
 KV_ALLOC_ROUNDING = 256  # tokens; a cache this much larger is reused by the next requests
 
@@ -43,12 +44,16 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
     input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
     positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
     logits = runner.execute(input_ids, positions, cache)                             # (1, V)
-    token_id = sampler.sample(logits, [request.sampling_params], [generator])[0]
+    params = request.sampling_params
+    token_id = sampler.sample(logits, [params], [generator])[0]
     request.num_computed_tokens = start + len(new_token_ids)
-    return request.append_output_token(token_id, runner.eos_token_ids)
+    logprobs = None if params.logprobs is None else token_logprobs(logits, [token_id], params.logprobs)[0]
+    return request.append_output_token(token_id, runner.eos_token_ids, logprobs=logprobs)
 
 
 class AREngine(Engine):
+    supports_logprobs = True
+
     def __init__(self, runner: ModelRunner, use_kv_cache: bool = True, name: str | None = None,
                  seed: int = 0) -> None:
         super().__init__(runner, name or ("ar" if use_kv_cache else "ar_nocache"), seed)

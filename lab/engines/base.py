@@ -33,6 +33,8 @@ class RunResult:
 class Engine(ABC):
     # NOTE: engines that take requests over time are admitted at each request's arrival time.
     supports_arrivals: bool = True
+    # NOTE: engines that record each sampled token's logprobs (SamplingParams.logprobs); the others refuse such requests
+    supports_logprobs: bool = False
 
     def __init__(self, runner: ModelRunner, name: str | None = None, seed: int = 0) -> None:
         self.runner = runner
@@ -80,6 +82,9 @@ class Engine(ABC):
         needed = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens == 0:
             raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
+        if request.sampling_params.logprobs is not None and not self.supports_logprobs:
+            raise LabError(f"request {request.request_id}: engine {self.name} does not compute logprobs",
+                           "use engine=ar, cb_slots, cb_paged or a speculative engine for logprobs")
         if needed > max_len:
             raise LabError(
                 f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "

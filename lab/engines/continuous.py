@@ -28,6 +28,7 @@ from lab.profiling.ranges import profile_range
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig, DecodeGraphs
+from lab.sample.logprobs import TokenLogprobs, token_logprobs
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -43,6 +44,8 @@ class StepBatch:
 
 
 class ContinuousBatchingEngine(Engine):
+    supports_logprobs = True
+
     def __init__(self, runner: ModelRunner, scheduler: SchedulerConfig | None = None,
                  kv_cache: KVCacheConfig | None = None, name: str | None = None, seed: int = 0,
                  cuda_graphs: CudaGraphConfig | None = None) -> None:
@@ -59,6 +62,7 @@ class ContinuousBatchingEngine(Engine):
         # every other step runs eagerly.
         self.decode_graphs = None if graph_mode == "off" else DecodeGraphs(
             runner.model, self.kv_cache, cuda_graphs, scheduler.max_num_seqs, runner.max_model_len)
+        self.step_logprobs: dict[str, list[TokenLogprobs]] = {}   # this step's, by request (record_logprobs)
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -104,9 +108,10 @@ class ContinuousBatchingEngine(Engine):
         # work (schedule + update), prepare_inputs, the forward (prefill/decode/mixed) and sample.
         with profile_range("schedule"):
             out = self.scheduler.schedule()
+        self.step_logprobs = {}
         sampled = self._execute(out) if not out.is_empty else {}
         with profile_range("schedule"):
-            finished = self.scheduler.update_from_output(out, sampled)
+            finished = self.scheduler.update_from_output(out, sampled, logprobs=self.step_logprobs)
         self.num_steps += 1
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         reserved, used = self._kv_tokens()
@@ -183,7 +188,15 @@ class ContinuousBatchingEngine(Engine):
         """The hook speculative decoding overrides: logits (R, V), one row per sampling request."""
         sampled = self.sampler.sample(logits, [r.sampling_params for r in requests],
                                       [self.generator_for(r) for r in requests])
+        for row, (request, token_id) in enumerate(zip(requests, sampled)):
+            self.record_logprobs(request, logits[row:row + 1], [token_id])
         return {r.request_id: token for r, token in zip(requests, sampled)}
+
+    def record_logprobs(self, request: Request, logits: torch.Tensor, token_ids: list[int]) -> None:
+        """For a request that asked for logprobs: logits (len(token_ids), V), the rows its tokens were chosen from."""
+        if request.sampling_params.logprobs is not None:
+            self.step_logprobs[request.request_id] = token_logprobs(logits, token_ids,
+                                                                   request.sampling_params.logprobs)
 
     # -- accounting --------------------------------------------------------------------------------
     def _kv_tokens(self) -> tuple[int, int]:

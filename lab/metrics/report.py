@@ -18,7 +18,10 @@ def request_record(request: Request, tokenizer: Any | None) -> dict[str, Any]:
     text = tokenizer.decode(request.output_token_ids) if tokenizer is not None else None
     return {"request_id": request.request_id, "prompt_len": request.num_prompt_tokens,
             "output_len": request.num_output_tokens, "output_token_ids": request.output_token_ids,
-            "output_text": text, "finish_reason": request.status.value, "error": request.error, **latencies}
+            "output_text": text, "finish_reason": request.status.value, "error": request.error, **latencies,
+            **({"output_logprobs": [{"logprob": e.logprob, "rank": e.rank, "top": [list(t) for t in e.top]}
+                                    for e in request.output_logprobs]}
+               if request.sampling_params.logprobs is not None else {})}
 
 
 def write_results(run_dir: Path, results: dict[str, Any], requests: list[Request], tokenizer: Any | None) -> None:

@@ -20,6 +20,7 @@ from collections import deque
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request, RequestStatus
+from lab.sample.logprobs import TokenLogprobs
 from lab.sched.output import SchedulerConfig, SchedulerOutput
 
 
@@ -146,9 +147,11 @@ class Scheduler:
             budget -= num_new
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]],
-                           now: float | None = None) -> list[Request]:
-        """Advance every scheduled request by its tokens and append its sampled token(s); returns the
-        requests that finished (and any failed since the last step), their KV freed.
+                           now: float | None = None, logprobs: dict[str, list[TokenLogprobs]] | None = None
+                           ) -> list[Request]:
+        """Advance every scheduled request by its tokens and append its sampled token(s) (with their logprobs,
+        for the requests that asked); returns the requests that finished (and any failed since the last step),
+        their KV freed.
 
         With speculation a request samples 1..k+1 tokens (accepted drafts + one target token); the KV of
         rejected drafts is rolled back by not counting it as computed (it is overwritten later)."""
@@ -160,8 +163,10 @@ class Scheduler:
             num_rejected = num_spec - (len(tokens) - 1) if tokens else 0
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id] - num_rejected
             request.spec_token_ids, request.spec_parents = [], None
-            for token_id in tokens:
-                if request.append_output_token(token_id, self.eos_token_ids, now):
+            token_logprobs = (logprobs or {}).get(request.request_id)
+            for i, token_id in enumerate(tokens):
+                if request.append_output_token(token_id, self.eos_token_ids, now,
+                                               None if token_logprobs is None else token_logprobs[i]):
                     self.running.remove(request)
                     self.kv_manager.free(request)
                     finished.append(request)

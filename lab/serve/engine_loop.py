@@ -23,6 +23,7 @@ from lab.engines.base import Engine
 from lab.errors import LabError
 from lab.kv_cache.counters import PrefixCacheCounters
 from lab.request import Request, RequestStatus
+from lab.sample.logprobs import TokenLogprobs
 from lab.spec.counters import SpecCounters
 
 log = logging.getLogger("lab.serve")
@@ -40,6 +41,7 @@ class RequestOutput:
     finish_reason: str | None = None     # "stop" | "length" | "abort" | "error"; None while running
     error: str | None = None
     is_invalid: bool = False             # the engine refused the request (LabError): a 4xx, not a 5xx
+    new_logprobs: list[TokenLogprobs] | None = None   # one per new token, for a request that asked for logprobs
 
     @property
     def is_finished(self) -> bool:
@@ -168,16 +170,19 @@ class EngineLoop:
             if num_tokens == tracked.num_sent and not request.is_finished:
                 continue
             new_token_ids = request.output_token_ids[tracked.num_sent:num_tokens]
+            new_logprobs = (request.output_logprobs[tracked.num_sent:num_tokens]
+                            if request.sampling_params.logprobs is not None else None)
             tracked.num_sent = num_tokens
             if not request.is_finished:
-                outputs.append(RequestOutput(request_id, new_token_ids))
+                outputs.append(RequestOutput(request_id, new_token_ids, new_logprobs=new_logprobs))
                 continue
             self._forget(request_id)
             if tracked.is_abort_pending:
                 continue
             reason = FINISH_REASONS[request.status]
             error = request.error
-            outputs.append(RequestOutput(request_id, new_token_ids, "error" if error else reason, error))
+            outputs.append(RequestOutput(request_id, new_token_ids, "error" if error else reason, error,
+                                         new_logprobs=new_logprobs))
 
     def _num_engine_waiting(self) -> int:
         # NOTE: continuous-batching engines queue in their scheduler, the others in Engine.waiting.

@@ -6,13 +6,15 @@ Extensions as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`; prompts may be t
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from lab.errors import LabError
-from lab.request import SamplingParams
+from lab.request import MAX_LOGPROBS, SamplingParams
+from lab.sample.logprobs import TokenLogprobs
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 MAX_N = 128          # OpenAI's limit on `n`
@@ -32,9 +34,9 @@ class APIError(Exception):
 
 
 # NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
-# refused (400), not silently ignored: an evaluation asking for logprobs must not get null back
+# refused (400), not silently ignored: an evaluation asking for prompt_logprobs must not get null back
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "prompt_logprobs": (None,), "best_of": (None, 1),
+    "prompt_logprobs": (None,), "best_of": (None, 1),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "suffix": (None, ""), "min_tokens": (None, 0),
@@ -95,6 +97,11 @@ class SamplingFields(BaseModel):
             raise ValueError(f"n must be between 1 and {MAX_N}, got {value}")
         return value
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each generated token reports (None: no logprobs); each endpoint spells it."""
+        return None
+
     def sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
         """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i."""
         if self.stream_options is not None and not self.stream:
@@ -107,7 +114,8 @@ class SamplingFields(BaseModel):
                 top_k=self.top_k if self.top_k is not None and self.top_k > 0 else 0,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 seed=None if self.seed is None else self.seed + sample_index,
-                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                logprobs=self.num_logprobs)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
 
@@ -116,6 +124,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # the legacy API's: top logprobs per token
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value: Any) -> Any:
+        return None if value is False else value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one (text or token ids), or a batch of them (a list of texts or of token-id
@@ -154,6 +172,14 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -169,11 +195,34 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
-def choice_body(kind: Endpoint, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """One choice of a non-streaming response."""
+def token_text(tokenizer: Any | None, token_id: int) -> str:
+    """A token as logprobs name it: its text, special tokens included (vLLM's `token_id:<id>` without a tokenizer)."""
+    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+
+def logprobs_body(kind: Endpoint, entries: list[TokenLogprobs], tokenizer: Any | None,
+                  text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's logprobs of some generated tokens: the completions API's parallel lists (top_logprobs also holds
+    the chosen token, as vLLM's does; text_offset counts from `text_offset`), or chat's `content` list."""
+    if kind == "chat":
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = token_text(tokenizer, token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(tokenizer, e.token_id) for e in entries]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=text_offset))[:len(tokens)]
+    top = [{**{token_text(tokenizer, t): lp for t, lp in e.top}, text: e.logprob} for e, text in zip(entries, tokens)]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def choice_body(kind: Endpoint, index: int, text: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a non-streaming response (logprobs: logprobs_body's, for a request that asked)."""
     if kind == "completion":
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
@@ -186,17 +235,18 @@ def completion_body(kind: Endpoint, request_id: str, model: str, choices: list[d
 
 
 def chunk_body(kind: Endpoint, request_id: str, model: str, text: str | None, finish_reason: str | None,
-               role: bool = False, index: int = 0) -> dict[str, Any]:
-    """One streamed chunk of choice `index`; a chat stream's first chunk of each choice also carries the role."""
+               role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice `index` (with the logprobs of the tokens it brings, for a request that asked);
+    a chat stream's first chunk of each choice also carries the role."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": logprobs,
                                   "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 

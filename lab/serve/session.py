@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from lab.request import Request
+from lab.sample.logprobs import TokenLogprobs
 from lab.serve import protocol
 from lab.serve.detokenizer import IncrementalDetokenizer
 from lab.serve.engine_loop import EngineClient, RequestOutput
@@ -51,6 +52,9 @@ class Session:
     on_close: Callable[["Session"], None]           # metrics and the outstanding count; called once
     sink: "asyncio.Queue[RequestOutput]" = field(default_factory=asyncio.Queue)
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)   # of the tokens counted (token_times), if asked
+    num_sent_logprobs: int = 0          # streamed so far
+    num_sent_logprob_chars: int = 0     # their tokens' characters (the completions API's text_offset)
     finish_reason: str | None = None
     error: str | None = None
     is_invalid: bool = False            # the engine refused the request: raise_if_failed gives a 400
@@ -81,6 +85,7 @@ class Session:
         now = time.perf_counter()
         if output.new_token_ids and not self.detokenizer.is_stopped:
             self.token_times.extend([now] * len(output.new_token_ids))
+            self.logprobs.extend(output.new_logprobs or [])
         text = self.detokenizer.add(output.new_token_ids, is_final=output.is_finished)
         if output.is_finished:
             self.finish_reason, self.error, self.is_invalid = output.finish_reason, output.error, output.is_invalid
@@ -107,6 +112,27 @@ class Session:
         if self.finish_reason == "error":
             raise APIError(500, f"generation failed: {self.error}", type="server_error", code="engine_error")
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.sampling_params.logprobs is not None
+
+    def all_logprobs(self) -> dict[str, Any] | None:
+        """OpenAI's logprobs of every counted token (None: the request did not ask)."""
+        if not self.wants_logprobs:
+            return None
+        return protocol.logprobs_body(self.kind, self.logprobs, self.detokenizer.tokenizer)
+
+    def new_logprobs(self) -> dict[str, Any] | None:
+        """Streaming: the logprobs of the counted tokens not sent yet, marked sent (None: none, or not asked)."""
+        entries = self.logprobs[self.num_sent_logprobs:]
+        if not entries:
+            return None
+        body = protocol.logprobs_body(self.kind, entries, self.detokenizer.tokenizer, self.num_sent_logprob_chars)
+        self.num_sent_logprobs = len(self.logprobs)
+        if self.kind == "completion":
+            self.num_sent_logprob_chars += sum(len(token) for token in body["tokens"])
+        return body
+
     def public_finish_reason(self) -> str | None:
         return "stop" if self.finish_reason == "stop_string" else self.finish_reason
 
@@ -130,7 +156,8 @@ async def collect(group: list[Session], http_request: HTTPRequest) -> dict[str, 
             return None
         for session in group:
             session.raise_if_failed()
-        choices = [protocol.choice_body(s.kind, s.index, s.detokenizer.text, s.public_finish_reason()) for s in group]
+        choices = [protocol.choice_body(s.kind, s.index, s.detokenizer.text, s.public_finish_reason(),
+                                        s.all_logprobs()) for s in group]
         first = group[0]
         return protocol.completion_body(first.kind, first.response_id, first.model, choices,
                                         group_prompt_tokens(group), sum(s.num_output_tokens for s in group))
@@ -182,9 +209,10 @@ async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator
             yield {"error": APIError(500, f"generation failed: {session.error}", "server_error").body()["error"]}
             return
         if text or finish is not None or (is_first and kind == "chat"):
+            logprobs = session.new_logprobs()
             yield protocol.chunk_body(kind, session.response_id, session.model,
                                       text if text or kind == "completion" else "", finish,
-                                      role=is_first and kind == "chat", index=session.index)
+                                      role=is_first and kind == "chat", index=session.index, logprobs=logprobs)
             is_first = False
         output = None if finish is not None else await session.sink.get()
     session.close()

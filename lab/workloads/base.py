@@ -18,11 +18,12 @@ class SamplingDefaults:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None   # each output token's logprob and the k most likely, into requests.jsonl
 
     def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, logprobs=self.logprobs)
 
 
 class Workload(Protocol):
