@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; k: each generated token's logprob and the k most likely (vLLM's)
+    prompt_logprobs: int | None = None   # the same for every prompt token after the first (no prefix-cache hits)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -45,9 +46,11 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise LabError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise LabError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
-                           "ask for at most 20 top logprobs per token (vLLM's max_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise LabError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}",
+                               "ask for at most 20 top logprobs per token (vLLM's max_logprobs)")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise LabError(f"seed must be a 64-bit signed integer, got {self.seed}",
                            f"use a seed in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
@@ -84,6 +87,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)   # one per output token, if asked for
+    # NOTE: one per prompt token once the prefill is done, if asked for; the first token's is None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed_tokens: int = 0       # tokens whose KV is in the cache (vLLM's token-progress model)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     spec_parents: list[int] | None = None   # a tree of drafts: each one's parent (lab/spec/tree.py); None: a chain
@@ -112,6 +117,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling_params.logprobs is not None or self.sampling_params.prompt_logprobs is not None
+
+    def prompt_logprob_positions(self, start: int, num: int) -> range:
+        """Of the positions [start, start + num) a forward computes, those whose logits give prompt logprobs not yet
+        recorded (position p predicts prompt token p + 1); empty unless the request asked for them."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(start + num, self.num_prompt_tokens - 1))
+
+    def record_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """The logprobs of prompt tokens first + 1, first + 2, ... (from the logits at positions first, ...)."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.append(None)
+        assert len(self.prompt_logprobs) == first + 1, (len(self.prompt_logprobs), first)
+        self.prompt_logprobs.extend(entries)
 
     def append_output_token(self, token_id: int, eos_token_ids: set[int], now: float | None = None,
                             logprobs: TokenLogprobs | None = None) -> bool:

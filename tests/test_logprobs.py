@@ -84,3 +84,31 @@ def test_engines_without_logprobs_refuse_them_by_name_and_the_range_is_checked(t
         StaticBatchEngine(tiny_runner, batch_size=2).run(make_requests([[1, 2, 3]], 4, logprobs=1))
     with pytest.raises(LabError, match="logprobs must be between 0 and 20, got 21"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("name", ["ar", "cb_paged", "speculative_ngram"])
+def test_prompt_logprobs_are_hf_log_softmax_over_the_prompt_chunked_and_prefix_cached(name: str,
+                                                                                      tiny_runner: ModelRunner) -> None:
+    """Chunked prefill (a 16-token budget) splits the prompts; a second copy of a prompt whose blocks are cached
+    still gets every prompt logprob (its prefix is computed, not read from the cache)."""
+    scheduler = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16)
+    engine = {"ar": AREngine(tiny_runner), "cb_paged": ContinuousBatchingEngine(tiny_runner, scheduler, KV),
+              "speculative_ngram": SpeculativeEngine(tiny_runner, NgramProposerConfig(min_n=1, max_n=3), 3,
+                                                     scheduler, KV)}[name]
+    long_prompt = PROMPTS[3] + PROMPTS[5] + PROMPTS[4]   # 56 tokens: 4 chunks
+    engine.run(make_requests([long_prompt], 2))          # its blocks are now in the prefix cache
+    requests = make_requests([long_prompt, PROMPTS[0], [42]], 3, ignore_eos=True, prompt_logprobs=2)
+    done = engine.run(requests).requests
+    for request in done[:2]:
+        prompt = request.prompt_token_ids
+        reference = hf_logprobs(tiny_runner, prompt[:1], prompt[1:])                  # rows for tokens 1..n-1
+        assert len(request.prompt_logprobs) == len(prompt) and request.prompt_logprobs[0] is None
+        for position, entry in enumerate(request.prompt_logprobs[1:]):
+            row = reference[position]
+            assert entry.token_id == prompt[position + 1]
+            assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4), (name, position)
+            assert entry.rank == int((row > row[entry.token_id]).sum()) + 1
+            assert [t for t, _ in entry.top] == torch.topk(row, 2).indices.tolist()
+        assert request.output_token_ids == AREngine(tiny_runner).run(make_requests([prompt], 3, ignore_eos=True)
+                                                                      ).requests[0].output_token_ids
+    assert done[2].prompt_logprobs in ([], [None])   # one token: nothing to score

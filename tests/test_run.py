@@ -45,12 +45,15 @@ def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> Non
 
 def test_sampling_logprobs_go_into_requests_jsonl(tmp_path: Path) -> None:
     cfg = compose_cfg(["model=tiny", "logger=none", "engine=cb_paged", "workload.num_prompts=2",
-                       "workload.input_len=8", "workload.output_len=4", "sampling.logprobs=2", "print_table=false"])
+                       "workload.input_len=8", "workload.output_len=4", "sampling.logprobs=2", "sampling.prompt_logprobs=0",
+                       "print_table=false"])
     run(cfg, tmp_path)
     for line in (tmp_path / "requests.jsonl").read_text().splitlines():
         record = json.loads(line)
         assert len(record["output_logprobs"]) == 4 and all(e["rank"] == 1 for e in record["output_logprobs"])
         assert [e["top"][0][0] for e in record["output_logprobs"]] == record["output_token_ids"]   # greedy
+        prompt_logprobs = record["prompt_logprobs"]
+        assert len(prompt_logprobs) == 8 and prompt_logprobs[0] is None and prompt_logprobs[1]["top"] == []
 
 
 @pytest.mark.parametrize("group", ["model", "engine", "workload", "metrics", "profiler", "logger"])

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from lab.bench.client import BenchRequest
 from lab.bench.driver import Target, benchmark
@@ -248,6 +249,51 @@ def test_chat_logprobs_list_each_token_with_its_top_alternatives(served: Served,
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs", response.text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(served: Served, tiny_text_runner: ModelRunner) -> None:
+    """lm-eval's loglikelihood request: token-id prompts in a batch, echo, logprobs=1, max_tokens=1, greedy. Each
+    prompt token after the first gets HF's log_softmax at the position before it; the first has null."""
+    prompts = [PROMPT, [7, 77, 777, 7777, 42]]
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    out = httpx.post(served.url + "/v1/completions", json=body).json()
+    tokenizer = tiny_text_runner.tokenizer
+    for choice, prompt in zip(out["choices"], prompts):
+        logprobs = choice["logprobs"]
+        assert choice["text"].startswith(tokenizer.decode(prompt, skip_special_tokens=True))
+        assert logprobs["tokens"][:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+        assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) in (1, 2)
+        with torch.inference_mode():
+            reference = torch.log_softmax(tiny_text_runner.hf_model()(torch.tensor([prompt])).logits[0].float(), -1)
+        expected = [float(reference[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+        assert logprobs["token_logprobs"][1:len(prompt)] == pytest.approx(expected, abs=1e-4)
+        assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
+    assert out["usage"]["prompt_tokens"] == sum(map(len, prompts)) and out["usage"]["completion_tokens"] == 2
+    chunks = _sse_chunks(httpx.post(served.url + "/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 4,
+                                                                            "stream": True}, timeout=60))
+    whole = httpx.post(served.url + "/v1/completions", json={**body, "prompt": PROMPT, "max_tokens": 4}).json()
+    assert chunks[0]["choices"][0]["text"] == tokenizer.decode(PROMPT, skip_special_tokens=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for part in streamed for x in part[key]] == whole["choices"][0]["logprobs"][key], key
+
+
+def test_vllms_prompt_logprobs_field_on_both_endpoints(served: Served) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    choice = httpx.post(served.url + "/v1/completions", json=body).json()["choices"][0]
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(PROMPT) and prompt_logprobs[0] is None and choice["logprobs"] is None
+    for token_id, entry in zip(PROMPT[1:], prompt_logprobs[1:]):
+        assert str(token_id) in entry and 2 <= len(entry) <= 3
+        assert {v["rank"] for k, v in entry.items() if k != str(token_id)} == {1, 2}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    choice = httpx.post(served.url + "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert choice["prompt_logprobs"][0] is None and all(len(e) == 1 for e in choice["prompt_logprobs"][1:])
+    stream = _sse_chunks(httpx.post(served.url + "/v1/completions", json={**body, "stream": True}, timeout=60))
+    assert stream[0]["choices"][0]["prompt_logprobs"] == prompt_logprobs
+    assert all("prompt_logprobs" not in c["choices"][0] for c in stream[1:])
+
+
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
     served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
     with served.thread:
@@ -304,7 +350,6 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("too many choices", {"model": MODEL, "prompt": ["hi"] * 20, "n": 128}, 400, "prompt"),
     ("an empty prompt in a batch", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt"),
     ("empty prompt", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-    ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo"),
     ("token id out of range", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
     ("prompt over the context", {"model": MODEL, "prompt": [5] * 2048, "max_tokens": 1}, 400, "prompt"),
     ("generation over the context", {"model": MODEL, "prompt": [5] * 10, "max_tokens": 2040}, 400, "max_tokens"),
@@ -312,7 +357,7 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("seed past 64 bits", {"model": MODEL, "prompt": "hi", "temperature": 1.0, "seed": 2**70}, 400, "seed"),
     ("logprobs past 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("logprobs true (the chat API's spelling)", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    ("prompt_logprobs", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("prompt_logprobs past 20", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("a penalty", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1.5}, 400, "frequency_penalty"),
     ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},

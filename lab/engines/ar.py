@@ -43,8 +43,17 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
         start, new_token_ids, cache = 0, request.all_token_ids, NoCache()
     input_ids = torch.tensor([new_token_ids], dtype=torch.long)                      # (1, T)
     positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
-    logits = runner.execute(input_ids, positions, cache)                             # (1, V)
+    prompt_positions = request.prompt_logprob_positions(start, len(new_token_ids))
     params = request.sampling_params
+    if prompt_positions:
+        every = runner.execute(input_ids, positions, cache, logits_index=None)[0]   # (T, V)
+        first, end = prompt_positions.start, prompt_positions.stop
+        request.record_prompt_logprobs(first, token_logprobs(every[first - start:end - start],
+                                                             request.prompt_token_ids[first + 1:end + 1],
+                                                             params.prompt_logprobs))
+        logits = every[-1:]                                                          # (1, V)
+    else:
+        logits = runner.execute(input_ids, positions, cache)                         # (1, V)
     token_id = sampler.sample(logits, [params], [generator])[0]
     request.num_computed_tokens = start + len(new_token_ids)
     logprobs = None if params.logprobs is None else token_logprobs(logits, [token_id], params.logprobs)[0]

@@ -82,7 +82,7 @@ class Engine(ABC):
         needed = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens == 0:
             raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
-        if request.sampling_params.logprobs is not None and not self.supports_logprobs:
+        if request.wants_logprobs and not self.supports_logprobs:
             raise LabError(f"request {request.request_id}: engine {self.name} does not compute logprobs",
                            "use engine=ar, cb_slots, cb_paged or a speculative engine for logprobs")
         if needed > max_len:

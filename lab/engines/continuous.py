@@ -16,7 +16,7 @@ token counts would be a guess).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,8 +38,10 @@ class StepBatch:
 
     input_ids: torch.Tensor                       # (1, N)
     positions: torch.Tensor                       # (1, N)
-    sample_rows: torch.Tensor                     # (R',) rows whose logits are sampled / verified
-    samplers: list[Request]                       # the requests those rows belong to, in order
+    sample_rows: torch.Tensor                     # (R' + P,) rows whose logits are sampled / verified, then P rows
+                                                  # of prompt logprobs
+    samplers: list[Request]                       # the requests the first R' rows belong to, in order
+    prompt_logprobs: list[tuple[Request, range]] = field(default_factory=list)   # the P rows' requests, positions
     in_graph: bool = False                        # a decode / verify step run by DecodeGraphs
 
 
@@ -132,9 +134,23 @@ class ContinuousBatchingEngine(Engine):
             batch = self._prepare_inputs(out, prepare_attention=not graph)
         batch.in_graph = graph
         with self.phases.phase(phase, num_tokens=batch.input_ids.shape[1]):
-            logits = self.forward(batch)                                                      # (R', V)
+            logits = self.forward(batch)                                                      # (R' + P, V)
             with profile_range("sample"):
+                if batch.prompt_logprobs:
+                    logits = self._record_prompt_logprobs(batch, logits)
                 return self.select_tokens(out, batch.samplers, logits) if batch.samplers else {}
+
+    @staticmethod
+    def _record_prompt_logprobs(batch: StepBatch, logits: torch.Tensor) -> torch.Tensor:
+        """logits (R' + P, V): hand the last P rows to their requests' prompt logprobs; returns the first R'."""
+        row = logits.shape[0] - sum(len(positions) for _, positions in batch.prompt_logprobs)
+        sample_logits = logits[:row]
+        for request, positions in batch.prompt_logprobs:
+            tokens = request.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            entries = token_logprobs(logits[row:row + len(positions)], tokens, request.sampling_params.prompt_logprobs)
+            request.record_prompt_logprobs(positions.start, entries)
+            row += len(positions)
+        return sample_logits
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """The target forward over the step's flat batch -> logits (R', V) at the rows to sample."""
@@ -166,9 +182,14 @@ class ContinuousBatchingEngine(Engine):
         # and cuts them into groups of similar length.
         order = sorted(out.scheduled, key=lambda r: (counts[r.request_id] != 1,
                                                      -r.num_computed_tokens if counts[r.request_id] == 1 else 0))
-        seqs, token_ids, sample_rows, samplers = [], [], [], []
+        seqs, token_ids, sample_rows, samplers, prompt_rows, prompt_logprobs = [], [], [], [], [], []
         for request in order:
             start, num = request.num_computed_tokens, counts[request.request_id]
+            if positions := request.prompt_logprob_positions(start, num):
+                # NOTE: the request's rows start at len(token_ids); position p is its row p - start
+                first_row = len(token_ids) - start
+                prompt_rows.extend(range(first_row + positions.start, first_row + positions.stop))
+                prompt_logprobs.append((request, positions))
             spec = out.scheduled_spec_token_ids.get(request.request_id, [])
             parents = out.scheduled_spec_parents.get(request.request_id)
             # NOTE: query 0 is the root (the last token); draft i is query i + 1.
@@ -181,7 +202,8 @@ class ContinuousBatchingEngine(Engine):
         self.kv_cache.begin_step(seqs, prepare_attention)
         return StepBatch(input_ids=torch.tensor(token_ids, dtype=torch.long)[None],
                          positions=self.kv_cache.index.positions[None],
-                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), samplers=samplers)
+                         sample_rows=torch.tensor(sample_rows + prompt_rows, dtype=torch.long), samplers=samplers,
+                         prompt_logprobs=prompt_logprobs)
 
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
                       logits: torch.Tensor) -> dict[str, int | list[int]]:

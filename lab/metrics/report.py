@@ -11,6 +11,7 @@ from typing import Any
 
 from lab.metrics.summary import request_latencies
 from lab.request import Request
+from lab.sample.logprobs import TokenLogprobs
 
 
 def request_record(request: Request, tokenizer: Any | None) -> dict[str, Any]:
@@ -19,9 +20,16 @@ def request_record(request: Request, tokenizer: Any | None) -> dict[str, Any]:
     return {"request_id": request.request_id, "prompt_len": request.num_prompt_tokens,
             "output_len": request.num_output_tokens, "output_token_ids": request.output_token_ids,
             "output_text": text, "finish_reason": request.status.value, "error": request.error, **latencies,
-            **({"output_logprobs": [{"logprob": e.logprob, "rank": e.rank, "top": [list(t) for t in e.top]}
-                                    for e in request.output_logprobs]}
-               if request.sampling_params.logprobs is not None else {})}
+            **({"output_logprobs": [_logprobs_record(e) for e in request.output_logprobs]}
+               if request.sampling_params.logprobs is not None else {}),
+            **({"prompt_logprobs": [_logprobs_record(e) for e in request.prompt_logprobs or [None]]}
+               if request.sampling_params.prompt_logprobs is not None else {})}
+
+
+def _logprobs_record(entry: TokenLogprobs | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {"logprob": entry.logprob, "rank": entry.rank, "top": [list(t) for t in entry.top]}
 
 
 def write_results(run_dir: Path, results: dict[str, Any], requests: list[Request], tokenizer: Any | None) -> None:

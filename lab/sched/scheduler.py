@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from lab.errors import LabError
-from lab.kv_cache.manager import KVCacheManager
+from lab.kv_cache.manager import NO_PREFIX, KVCacheManager
 from lab.request import Request, RequestStatus
 from lab.sample.logprobs import TokenLogprobs
 from lab.sched.output import SchedulerConfig, SchedulerOutput
@@ -128,7 +128,9 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            prefix = self.kv_manager.find_cached_prefix(request)
+            # NOTE: as vLLM's, a request asking for prompt logprobs computes its whole prompt (cached KV has no logits)
+            prefix = (NO_PREFIX if request.sampling_params.prompt_logprobs is not None
+                      else self.kv_manager.find_cached_prefix(request))
             num_new = request.num_tokens - prefix.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break

@@ -24,6 +24,7 @@ from starlette.requests import Request as HTTPRequest
 
 from lab.errors import LabError
 from lab.request import Request
+from lab.serve import protocol
 from lab.serve import session as sessions
 from lab.serve.detokenizer import IncrementalDetokenizer
 from lab.serve.engine_loop import EngineClient, RequestOutput
@@ -142,8 +143,9 @@ class OpenAIServer:
                                       session.token_times)
 
     async def generate(self, http_request: HTTPRequest, kind: Endpoint, body: SamplingFields,
-                       prompts: list[tuple[list[int], int]]) -> Response:
-        """prompts: (token ids, max_tokens) each; every prompt gets body.n choices, each its own engine request."""
+                       prompts: list[tuple[list[int], int]], echo_texts: list[str] | None = None) -> Response:
+        """prompts: (token ids, max_tokens) each; every prompt gets body.n choices, each its own engine request;
+        echo_texts: completions' echo, each prompt's text to send before its choices' generated text."""
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         now = time.perf_counter()
@@ -164,7 +166,9 @@ class OpenAIServer:
         self.metrics.prompt_tokens.labels(self.options.model_name).inc(sum(len(p) for p, _ in prompts))
         group = [sessions.Session(kind, self.options.model_name, request, response_id, index, choices[index][0],
                                   self.client, IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
-                                  body.include_usage, self.release)
+                                  body.include_usage, self.release,
+                                  echo_text=None if echo_texts is None else echo_texts[choices[index][0]],
+                                  show_prompt_logprobs=body.prompt_logprobs is not None)
                  for index, request in enumerate(requests)]
         for session in group:
             self.sessions[session.request.request_id] = session
@@ -179,12 +183,19 @@ class OpenAIServer:
 
     async def completions(self, http_request: HTTPRequest) -> Response:
         body: CompletionRequest = await self.parse(http_request, CompletionRequest)
-        prompts = []
+        prompts, echo_texts = [], []
         for prompt in body.prompts():
             prompt_token_ids = self.tokenize_prompt(prompt)
             prompts.append((prompt_token_ids, self.max_tokens(body.max_tokens, len(prompt_token_ids), "max_tokens",
                                                               "prompt")))
-        return await self.generate(http_request, "completion", body, prompts)
+            echo_texts.append(prompt if isinstance(prompt, str) else self.decode_prompt(prompt_token_ids))
+        return await self.generate(http_request, "completion", body, prompts, echo_texts if body.echo else None)
+
+    def decode_prompt(self, token_ids: list[int]) -> str:
+        """A token-id prompt's text, for echo (the ids themselves without a tokenizer, as vLLM's `token_id:<id>`)."""
+        if self.tokenizer is None:
+            return "".join(protocol.token_text(None, t) for t in token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def chat_completions(self, http_request: HTTPRequest) -> Response:
         body: ChatCompletionRequest = await self.parse(http_request, ChatCompletionRequest)

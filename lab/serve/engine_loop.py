@@ -42,6 +42,8 @@ class RequestOutput:
     error: str | None = None
     is_invalid: bool = False             # the engine refused the request (LabError): a 4xx, not a 5xx
     new_logprobs: list[TokenLogprobs] | None = None   # one per new token, for a request that asked for logprobs
+    # NOTE: with a request's first tokens, for one that asked for prompt logprobs (the first prompt token's is None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -172,9 +174,12 @@ class EngineLoop:
             new_token_ids = request.output_token_ids[tracked.num_sent:num_tokens]
             new_logprobs = (request.output_logprobs[tracked.num_sent:num_tokens]
                             if request.sampling_params.logprobs is not None else None)
+            prompt_logprobs = (list(request.prompt_logprobs or [None]) if tracked.num_sent == 0 and num_tokens
+                               and request.sampling_params.prompt_logprobs is not None else None)
             tracked.num_sent = num_tokens
             if not request.is_finished:
-                outputs.append(RequestOutput(request_id, new_token_ids, new_logprobs=new_logprobs))
+                outputs.append(RequestOutput(request_id, new_token_ids, new_logprobs=new_logprobs,
+                                             prompt_logprobs=prompt_logprobs))
                 continue
             self._forget(request_id)
             if tracked.is_abort_pending:
@@ -182,7 +187,7 @@ class EngineLoop:
             reason = FINISH_REASONS[request.status]
             error = request.error
             outputs.append(RequestOutput(request_id, new_token_ids, "error" if error else reason, error,
-                                         new_logprobs=new_logprobs))
+                                         new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs))
 
     def _num_engine_waiting(self) -> int:
         # NOTE: continuous-batching engines queue in their scheduler, the others in Engine.waiting.

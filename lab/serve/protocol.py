@@ -34,9 +34,9 @@ class APIError(Exception):
 
 
 # NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
-# refused (400), not silently ignored: an evaluation asking for prompt_logprobs must not get null back
+# refused (400), not silently ignored: a client asking for a penalty must not get an unpenalized answer
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None,), "best_of": (None, 1),
+    "best_of": (None, 1),
     "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "suffix": (None, ""), "min_tokens": (None, 0),
@@ -74,6 +74,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's extension
 
     @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
     @classmethod
@@ -102,6 +103,11 @@ class SamplingFields(BaseModel):
         """How many top logprobs each generated token reports (None: no logprobs); each endpoint spells it."""
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many top logprobs each prompt token reports (None: none)."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
         """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i."""
         if self.stream_options is not None and not self.stream:
@@ -115,7 +121,7 @@ class SamplingFields(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 seed=None if self.seed is None else self.seed + sample_index,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                logprobs=self.num_logprobs)
+                logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
 
@@ -135,11 +141,16 @@ class CompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        # NOTE: echo with logprobs reports the prompt's tokens too (what lm-eval's loglikelihood reads)
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one (text or token ids), or a batch of them (a list of texts or of token-id
         lists); each gets `n` choices, indexed prompt by prompt as in vLLM (choice p * n + i)."""
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
         prompt = self.prompt
         is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         prompts: list[str | list[int]] = list(prompt) if is_batch else [prompt]   # type: ignore[arg-type]
@@ -200,21 +211,46 @@ def token_text(tokenizer: Any | None, token_id: int) -> str:
     return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
 
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None], tokenizer: Any | None,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """The completions API's parallel lists for some tokens (an entry None: a token with no logprob, the prompt's
+    first); top_logprobs also holds the token itself, as vLLM's; text_offset counts from `text_offset`."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=text_offset))[:len(tokens)]
+    top = [None if e is None else {**{token_text(tokenizer, t): lp for t, lp in e.top}, text: e.logprob}
+           for e, text in zip(entries, tokens)]
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
+
+
 def logprobs_body(kind: Endpoint, entries: list[TokenLogprobs], tokenizer: Any | None,
                   text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI's logprobs of some generated tokens: the completions API's parallel lists (top_logprobs also holds
-    the chosen token, as vLLM's does; text_offset counts from `text_offset`), or chat's `content` list."""
-    if kind == "chat":
-        def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = token_text(tokenizer, token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries]}
-    tokens = [token_text(tokenizer, e.token_id) for e in entries]
-    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=text_offset))[:len(tokens)]
-    top = [{**{token_text(tokenizer, t): lp for t, lp in e.top}, text: e.logprob} for e, text in zip(entries, tokens)]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    """OpenAI's logprobs of some generated tokens: the completions API's parallel lists (completion_logprobs), or
+    chat's `content` list."""
+    if kind == "completion":
+        return completion_logprobs([e.token_id for e in entries], entries, tokenizer, text_offset)
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def vllm_prompt_logprobs(token_ids: list[int], entries: list[TokenLogprobs | None], tokenizer: Any | None
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token None (the first) or {token id: logprob, rank, decoded_token}
+    for the token itself and the k most likely."""
+    def item(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            result.append(None)
+            continue
+        top = {str(t): item(t, lp, rank) for rank, (t, lp) in enumerate(entry.top, start=1)}
+        result.append({**top, str(token_id): item(token_id, entry.logprob, entry.rank)})
+    return result
 
 
 def choice_body(kind: Endpoint, index: int, text: str, finish_reason: str | None,

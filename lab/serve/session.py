@@ -50,11 +50,14 @@ class Session:
     detokenizer: IncrementalDetokenizer
     include_usage: bool
     on_close: Callable[["Session"], None]           # metrics and the outstanding count; called once
+    echo_text: str | None = None        # completions' echo: the prompt, sent before the generated text
+    show_prompt_logprobs: bool = False  # the request set prompt_logprobs: vLLM's `prompt_logprobs` field
     sink: "asyncio.Queue[RequestOutput]" = field(default_factory=asyncio.Queue)
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # of the tokens counted (token_times), if asked
     num_sent_logprobs: int = 0          # streamed so far
     num_sent_logprob_chars: int = 0     # their tokens' characters (the completions API's text_offset)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # with the first output, if the request asked
     finish_reason: str | None = None
     error: str | None = None
     is_invalid: bool = False            # the engine refused the request: raise_if_failed gives a 400
@@ -83,6 +86,8 @@ class Session:
     def consume(self, output: RequestOutput) -> str:
         """Take one output: returns the new text; sets finish_reason once the request (or its text) ended."""
         now = time.perf_counter()
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.new_token_ids and not self.detokenizer.is_stopped:
             self.token_times.extend([now] * len(output.new_token_ids))
             self.logprobs.extend(output.new_logprobs or [])
@@ -116,18 +121,42 @@ class Session:
     def wants_logprobs(self) -> bool:
         return self.request.sampling_params.logprobs is not None
 
+    @property
+    def text(self) -> str:
+        """The choice's whole text: the echoed prompt, if any, then what was generated."""
+        return (self.echo_text or "") + self.detokenizer.text
+
+    def echo_logprobs(self) -> dict[str, Any] | None:
+        """Completions' echo with logprobs: the prompt tokens' lists (the first token's logprob null)."""
+        if self.echo_text is None or not self.wants_logprobs:
+            return None
+        return protocol.completion_logprobs(self.request.prompt_token_ids, self.prompt_logprobs or [None],
+                                            self.detokenizer.tokenizer)
+
+    def prompt_logprobs_field(self) -> dict[str, Any]:
+        """vLLM's `prompt_logprobs` choice field, for a request that set prompt_logprobs (else nothing)."""
+        if not self.show_prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": protocol.vllm_prompt_logprobs(self.request.prompt_token_ids,
+                                                                 self.prompt_logprobs or [None],
+                                                                 self.detokenizer.tokenizer)}
+
     def all_logprobs(self) -> dict[str, Any] | None:
-        """OpenAI's logprobs of every counted token (None: the request did not ask)."""
+        """OpenAI's logprobs of every counted token, after the echoed prompt's (None: the request did not ask)."""
         if not self.wants_logprobs:
             return None
-        return protocol.logprobs_body(self.kind, self.logprobs, self.detokenizer.tokenizer)
+        generated = protocol.logprobs_body(self.kind, self.logprobs, self.detokenizer.tokenizer,
+                                           len(self.echo_text or ""))
+        echoed = self.echo_logprobs()
+        return generated if echoed is None else {key: echoed[key] + generated[key] for key in generated}
 
     def new_logprobs(self) -> dict[str, Any] | None:
         """Streaming: the logprobs of the counted tokens not sent yet, marked sent (None: none, or not asked)."""
         entries = self.logprobs[self.num_sent_logprobs:]
         if not entries:
             return None
-        body = protocol.logprobs_body(self.kind, entries, self.detokenizer.tokenizer, self.num_sent_logprob_chars)
+        offset = self.num_sent_logprob_chars + len(self.echo_text or "")
+        body = protocol.logprobs_body(self.kind, entries, self.detokenizer.tokenizer, offset)
         self.num_sent_logprobs = len(self.logprobs)
         if self.kind == "completion":
             self.num_sent_logprob_chars += sum(len(token) for token in body["tokens"])
@@ -156,8 +185,8 @@ async def collect(group: list[Session], http_request: HTTPRequest) -> dict[str, 
             return None
         for session in group:
             session.raise_if_failed()
-        choices = [protocol.choice_body(s.kind, s.index, s.detokenizer.text, s.public_finish_reason(),
-                                        s.all_logprobs()) for s in group]
+        choices = [{**protocol.choice_body(s.kind, s.index, s.text, s.public_finish_reason(), s.all_logprobs()),
+                    **s.prompt_logprobs_field()} for s in group]
         first = group[0]
         return protocol.completion_body(first.kind, first.response_id, first.model, choices,
                                         group_prompt_tokens(group), sum(s.num_output_tokens for s in group))
@@ -208,11 +237,20 @@ async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator
         if session.finish_reason == "error":
             yield {"error": APIError(500, f"generation failed: {session.error}", "server_error").body()["error"]}
             return
+        if is_first and session.echo_text is not None:   # NOTE: completions' echo: the prompt comes first
+            chunk = protocol.chunk_body(kind, session.response_id, session.model, session.echo_text, None,
+                                        index=session.index, logprobs=session.echo_logprobs())
+            chunk["choices"][0].update(session.prompt_logprobs_field())
+            yield chunk
+            is_first = False
         if text or finish is not None or (is_first and kind == "chat"):
-            logprobs = session.new_logprobs()
-            yield protocol.chunk_body(kind, session.response_id, session.model,
-                                      text if text or kind == "completion" else "", finish,
-                                      role=is_first and kind == "chat", index=session.index, logprobs=logprobs)
+            chunk = protocol.chunk_body(kind, session.response_id, session.model,
+                                        text if text or kind == "completion" else "", finish,
+                                        role=is_first and kind == "chat", index=session.index,
+                                        logprobs=session.new_logprobs())
+            if is_first:
+                chunk["choices"][0].update(session.prompt_logprobs_field())
+            yield chunk
             is_first = False
         output = None if finish is not None else await session.sink.get()
     session.close()

@@ -19,11 +19,13 @@ class SamplingDefaults:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # each output token's logprob and the k most likely, into requests.jsonl
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (no prefix-cache hits for them)
 
     def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=ignore_eos, logprobs=self.logprobs)
+                              ignore_eos=ignore_eos, logprobs=self.logprobs,
+                              prompt_logprobs=self.prompt_logprobs)
 
 
 class Workload(Protocol):
