@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; k: each generated token's logprob and the k most likely (vLLM's)
     prompt_logprobs: int | None = None   # the same for every prompt token after the first (no prefix-cache hits)
+    repetition_penalty: float = 1.0      # lab/sample/penalties.py: vLLM's meanings; 1 and 0 are off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -46,6 +49,13 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise LabError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise LabError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                           "use 1.0 for none (above 1 discourages repeats)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise LabError(f"{name} must be between -2 and 2, got {value}", "use 0 for none (OpenAI's range)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -58,6 +68,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:

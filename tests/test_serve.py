@@ -294,6 +294,16 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(served: Served) -> None:
     assert all("prompt_logprobs" not in c["choices"][0] for c in stream[1:])
 
 
+def test_penalties_reach_the_engine(served: Served, tiny_text_runner: ModelRunner) -> None:
+    params = {"repetition_penalty": 0.5, "frequency_penalty": -1.0, "presence_penalty": -1}   # repeats, here
+    request = Request("ref", list(PROMPT), SamplingParams(max_tokens=12, ignore_eos=True, **params))
+    expected = AREngine(tiny_text_runner).run([request]).requests[0].output_token_ids
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **params}
+    text = httpx.post(served.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    assert text == tiny_text_runner.tokenizer.decode(expected, skip_special_tokens=True)
+    assert expected != reference_tokens(tiny_text_runner, PROMPT, 12)
+
+
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
     served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
     with served.thread:
@@ -358,7 +368,8 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("logprobs past 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("logprobs true (the chat API's spelling)", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("prompt_logprobs past 20", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
-    ("a penalty", {"model": MODEL, "prompt": "hi", "frequency_penalty": 1.5}, 400, "frequency_penalty"),
+    ("a penalty past 2", {"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("repetition_penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options"),

@@ -35,6 +35,7 @@ class Engine(ABC):
     supports_arrivals: bool = True
     # NOTE: engines that record each sampled token's logprobs (SamplingParams.logprobs); the others refuse such requests
     supports_logprobs: bool = False
+    supports_penalties: bool = False   # NOTE: engines that apply SamplingParams' penalties (lab/sample/penalties.py)
 
     def __init__(self, runner: ModelRunner, name: str | None = None, seed: int = 0) -> None:
         self.runner = runner
@@ -82,6 +83,9 @@ class Engine(ABC):
         needed = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens == 0:
             raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
+        if request.sampling_params.has_penalties and not self.supports_penalties:
+            raise LabError(f"request {request.request_id}: engine {self.name} does not apply repetition, frequency or "
+                           "presence penalties", "use engine=ar, cb_slots or cb_paged for penalties")
         if request.wants_logprobs and not self.supports_logprobs:
             raise LabError(f"request {request.request_id}: engine {self.name} does not compute logprobs",
                            "use engine=ar, cb_slots, cb_paged or a speculative engine for logprobs")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from contextlib import contextmanager

@@ -34,10 +34,9 @@ class APIError(Exception):
 
 
 # NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
-# refused (400), not silently ignored: a client asking for a penalty must not get an unpenalized answer
+# refused (400), not silently ignored: a client asking for JSON must not get free text back
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "suffix": (None, ""), "min_tokens": (None, 0),
 }
@@ -75,6 +74,9 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)   # vLLM's extension
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None   # vLLM's extension (HF's meaning)
 
     @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
     @classmethod
@@ -121,7 +123,9 @@ class SamplingFields(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p,
                 seed=None if self.seed is None else self.seed + sample_index,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-                logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs)
+                logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+                frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
 

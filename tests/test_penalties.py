@@ -1,0 +1,69 @@
+"""Repetition, frequency and presence penalties (vLLM's meanings): greedy decoding with a repetition penalty equals
+HF transformers' generate(repetition_penalty=...) token for token on `ar` and `cb_paged`; the frequency and presence
+arithmetic on hand-made logits; engines that do not apply penalties refuse them by name; ranges are checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.engines.ar import AREngine
+from lab.engines.continuous import ContinuousBatchingEngine
+from lab.engines.speculative import SpeculativeEngine
+from lab.errors import LabError
+from lab.kv_cache import PagedKVCacheConfig
+from lab.request import Request, SamplingParams
+from lab.runner import ModelRunner
+from lab.sample.penalties import apply_penalties
+from lab.sched import SchedulerConfig
+from lab.spec.ngram_config import NgramProposerConfig
+from tests.helpers import make_requests
+
+KV = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None)
+PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [3, 44, 12, 3, 44], [70, 71, 72, 73, 70, 71, 72]]
+
+
+def hf_greedy_with_repetition_penalty(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
+                                      penalty: float) -> list[int]:
+    mask = torch.ones(1, len(prompt), dtype=torch.long)
+    with torch.inference_mode():
+        out = runner.hf_model().generate(torch.tensor([prompt]), attention_mask=mask, do_sample=False,
+                                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                         repetition_penalty=penalty, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("engine_name", ["ar", "cb_paged"])
+def test_greedy_with_a_repetition_penalty_equals_hf(engine_name: str, tiny_runner: ModelRunner) -> None:
+    engine = (AREngine(tiny_runner) if engine_name == "ar" else
+              ContinuousBatchingEngine(tiny_runner, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), KV))
+    requests = make_requests(PROMPTS, 16, ignore_eos=True, repetition_penalty=1.5)
+    requests.append(Request("plain", PROMPTS[0], SamplingParams(max_tokens=16, ignore_eos=True)))
+    done = {r.request_id: r.output_token_ids for r in engine.run(requests).requests}
+    for i, prompt in enumerate(PROMPTS):
+        assert done[f"r{i}"] == hf_greedy_with_repetition_penalty(tiny_runner, prompt, 16, 1.5), (engine_name, i)
+    plain = AREngine(tiny_runner).run(make_requests([PROMPTS[0]], 16, ignore_eos=True)).requests[0].output_token_ids
+    assert done["plain"] == plain and done["r0"] != plain   # the penalty changed r0's output, not its batch-mate's
+
+
+def test_frequency_and_presence_penalties_subtract_by_count_and_by_presence() -> None:
+    request = Request("r", [1, 2], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                                                  repetition_penalty=2.0))
+    request.output_token_ids = [3, 3, 4]
+    logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 0.5, 1.0]])
+    penalized = apply_penalties(logits, [request])
+    # repetition: tokens 1-4 (prompt and output) halved if positive, doubled if negative; then 3 twice and 4 once
+    assert penalized[0].tolist() == pytest.approx([1.0, 1.0, -4.0, 2.0 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, 1.0])
+    plain = Request("p", [1], SamplingParams())
+    assert apply_penalties(logits, [plain]) is logits and logits[0, 1] == 2.0   # nothing copied, nothing changed
+
+
+def test_engines_that_do_not_apply_penalties_refuse_them_and_ranges_are_checked(tiny_runner: ModelRunner) -> None:
+    spec = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV)
+    with pytest.raises(LabError, match="engine speculative does not apply repetition, frequency or presence"):
+        spec.run(make_requests([[1, 2, 3]], 4, presence_penalty=0.5))
+    for bad, message in [({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+                         ({"frequency_penalty": 2.5}, "frequency_penalty must be between -2 and 2"),
+                         ({"presence_penalty": float("nan")}, "presence_penalty must be between -2 and 2")]:
+        with pytest.raises(LabError, match=message):
+            SamplingParams(**bad)
