@@ -34,9 +34,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None   # None: none; k: each generated token's logprob and the k most likely (vLLM's)
     prompt_logprobs: int | None = None   # the same for every prompt token after the first (no prefix-cache hits)
-    repetition_penalty: float = 1.0      # lab/sample/penalties.py: vLLM's meanings; 1 and 0 are off
+    repetition_penalty: float = 1.0      # lab/sample/logits_processors.py: vLLM's meanings; 1 and 0 are off
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit (OpenAI's, -100 to 100)
+    min_tokens: int = 0                  # no stop token (EOS, stop_token_ids) before this many output tokens
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -56,6 +58,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):
                 raise LabError(f"{name} must be between -2 and 2, got {value}", "use 0 for none (OpenAI's range)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise LabError(f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                           "use 0 for none")
+        bad_bias = {t: b for t, b in (self.logit_bias or {}).items() if t < 0 or not (-100.0 <= b <= 100.0)}
+        if bad_bias:
+            raise LabError(f"logit_bias must map token ids >= 0 to biases between -100 and 100, got {bad_bias}",
+                           "use OpenAI's range")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -70,8 +79,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+    def has_logits_processors(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:

@@ -294,7 +294,7 @@ def test_vllms_prompt_logprobs_field_on_both_endpoints(served: Served) -> None:
     assert all("prompt_logprobs" not in c["choices"][0] for c in stream[1:])
 
 
-def test_penalties_reach_the_engine(served: Served, tiny_text_runner: ModelRunner) -> None:
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(served: Served, tiny_text_runner: ModelRunner) -> None:
     params = {"repetition_penalty": 0.5, "frequency_penalty": -1.0, "presence_penalty": -1}   # repeats, here
     request = Request("ref", list(PROMPT), SamplingParams(max_tokens=12, ignore_eos=True, **params))
     expected = AREngine(tiny_text_runner).run([request]).requests[0].output_token_ids
@@ -302,6 +302,10 @@ def test_penalties_reach_the_engine(served: Served, tiny_text_runner: ModelRunne
     text = httpx.post(served.url + "/v1/completions", json=body).json()["choices"][0]["text"]
     assert text == tiny_text_runner.tokenizer.decode(expected, skip_special_tokens=True)
     assert expected != reference_tokens(tiny_text_runner, PROMPT, 12)
+    forced = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logit_bias": {"42": 100},
+              "min_tokens": 3, "stop_token_ids": [42]}   # 42 stops, but not before the third token
+    choice = httpx.post(served.url + "/v1/completions", json=forced).json()["choices"][0]
+    assert choice["text"] != "" and choice["finish_reason"] == "length"
 
 
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
@@ -370,6 +374,11 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("prompt_logprobs past 20", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("a penalty past 2", {"model": MODEL, "prompt": "hi", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ("repetition_penalty 0", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("logit_bias keyed by words", {"model": MODEL, "prompt": "hi", "logit_bias": {"hi": 1}}, 400, "logit_bias"),
+    ("logit_bias past 100", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias outside the vocab", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, None),
+    ("min_tokens over max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400,
+     "min_tokens"),
     ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options"),

@@ -17,7 +17,7 @@ from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
 from lab.sample import Sampler
 from lab.sample.logprobs import token_logprobs
-from lab.sample.penalties import apply_penalties
+from lab.sample.logits_processors import apply_logits_processors
 
 KV_ALLOC_ROUNDING = 256  # tokens; a cache this much larger is reused by the next requests
 
@@ -55,7 +55,8 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
         logits = every[-1:]                                                          # (1, V)
     else:
         logits = runner.execute(input_ids, positions, cache)                         # (1, V)
-    token_id = sampler.sample(apply_penalties(logits, [request]), [params], [generator])[0]
+    processed = apply_logits_processors(logits, [request], runner.eos_token_ids)
+    token_id = sampler.sample(processed, [params], [generator])[0]
     request.num_computed_tokens = start + len(new_token_ids)
     logprobs = None if params.logprobs is None else token_logprobs(logits, [token_id], params.logprobs)[0]
     return request.append_output_token(token_id, runner.eos_token_ids, logprobs=logprobs)
@@ -63,7 +64,7 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
 
 class AREngine(Engine):
     supports_logprobs = True
-    supports_penalties = True
+    supports_logits_processors = True
 
     def __init__(self, runner: ModelRunner, use_kv_cache: bool = True, name: str | None = None,
                  seed: int = 0) -> None:

@@ -35,7 +35,8 @@ class Engine(ABC):
     supports_arrivals: bool = True
     # NOTE: engines that record each sampled token's logprobs (SamplingParams.logprobs); the others refuse such requests
     supports_logprobs: bool = False
-    supports_penalties: bool = False   # NOTE: engines that apply SamplingParams' penalties (lab/sample/penalties.py)
+    # NOTE: engines that apply SamplingParams' penalties, logit_bias and min_tokens (lab/sample/logits_processors.py)
+    supports_logits_processors: bool = False
 
     def __init__(self, runner: ModelRunner, name: str | None = None, seed: int = 0) -> None:
         self.runner = runner
@@ -83,9 +84,13 @@ class Engine(ABC):
         needed = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens == 0:
             raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
-        if request.sampling_params.has_penalties and not self.supports_penalties:
-            raise LabError(f"request {request.request_id}: engine {self.name} does not apply repetition, frequency or "
-                           "presence penalties", "use engine=ar, cb_slots or cb_paged for penalties")
+        params = request.sampling_params
+        if params.has_logits_processors and not self.supports_logits_processors:
+            raise LabError(f"request {request.request_id}: engine {self.name} does not apply penalties, logit_bias or "
+                           "min_tokens", "use engine=ar, cb_slots or cb_paged for them")
+        if params.logit_bias and max(params.logit_bias) >= self.runner.vocab_size:
+            raise LabError(f"request {request.request_id}: logit_bias names token {max(params.logit_bias)}, outside "
+                           f"the vocabulary (size {self.runner.vocab_size})", "bias token ids the model has")
         if request.wants_logprobs and not self.supports_logprobs:
             raise LabError(f"request {request.request_id}: engine {self.name} does not compute logprobs",
                            "use engine=ar, cb_slots, cb_paged or a speculative engine for logprobs")

@@ -29,7 +29,7 @@ from lab.request import Request
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig, DecodeGraphs
 from lab.sample.logprobs import TokenLogprobs, token_logprobs
-from lab.sample.penalties import apply_penalties
+from lab.sample.logits_processors import apply_logits_processors
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -48,7 +48,7 @@ class StepBatch:
 
 class ContinuousBatchingEngine(Engine):
     supports_logprobs = True
-    supports_penalties = True
+    supports_logits_processors = True
 
     def __init__(self, runner: ModelRunner, scheduler: SchedulerConfig | None = None,
                  kv_cache: KVCacheConfig | None = None, name: str | None = None, seed: int = 0,
@@ -210,7 +210,8 @@ class ContinuousBatchingEngine(Engine):
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
                       logits: torch.Tensor) -> dict[str, int | list[int]]:
         """The hook speculative decoding overrides: logits (R, V), one row per sampling request."""
-        sampled = self.sampler.sample(apply_penalties(logits, requests), [r.sampling_params for r in requests],
+        processed = apply_logits_processors(logits, requests, self.runner.eos_token_ids)
+        sampled = self.sampler.sample(processed, [r.sampling_params for r in requests],
                                       [self.generator_for(r) for r in requests])
         for row, (request, token_id) in enumerate(zip(requests, sampled)):
             self.record_logprobs(request, logits[row:row + 1], [token_id])

@@ -39,7 +39,7 @@ MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts f
 class SpeculativeEngine(ContinuousBatchingEngine):
     # NOTE: a penalty changes the target's distribution at every drafted position by the drafts before it; verifying
     # under penalties is not built (vLLM's first spec-decode releases refused them too)
-    supports_penalties = False
+    supports_logits_processors = False
 
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,

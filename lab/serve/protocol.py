@@ -37,8 +37,8 @@ class APIError(Exception):
 # refused (400), not silently ignored: a client asking for JSON must not get free text back
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "suffix": (None, ""), "min_tokens": (None, 0),
+    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "suffix": (None, ""),
 }
 
 
@@ -77,6 +77,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None   # vLLM's extension (HF's meaning)
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (a JSON key, so a string) -> bias
+    min_tokens: int | None = None                # vLLM's extension
 
     @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
     @classmethod
@@ -115,6 +117,11 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         try:
+            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {list(self.logit_bias or {})[:5]}",
+                           param="logit_bias") from None
+        try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 # NOTE: OpenAI's default temperature is 1.0 (sampling); send 0 for greedy.
@@ -125,7 +132,8 @@ class SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias or None, min_tokens=self.min_tokens or 0)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
 

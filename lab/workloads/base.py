@@ -20,16 +20,18 @@ class SamplingDefaults:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # each output token's logprob and the k most likely, into requests.jsonl
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (no prefix-cache hits for them)
-    repetition_penalty: float = 1.0      # lab/sample/penalties.py (ar, cb_slots, cb_paged)
+    repetition_penalty: float = 1.0      # lab/sample/logits_processors.py (ar, cb_slots, cb_paged)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_tokens: int = 0                  # no stop token before this many output tokens (vLLM's)
 
     def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
                               ignore_eos=ignore_eos, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, repetition_penalty=self.repetition_penalty,
-                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+                              min_tokens=min(self.min_tokens, max_tokens))
 
 
 class Workload(Protocol):

@@ -1,6 +1,7 @@
-"""Repetition, frequency and presence penalties (vLLM's meanings): greedy decoding with a repetition penalty equals
-HF transformers' generate(repetition_penalty=...) token for token on `ar` and `cb_paged`; the frequency and presence
-arithmetic on hand-made logits; engines that do not apply penalties refuse them by name; ranges are checked."""
+"""vLLM's logits processors: greedy decoding with a repetition penalty equals HF transformers'
+generate(repetition_penalty=...) token for token on `ar` and `cb_paged`; frequency and presence penalties and
+logit_bias on hand-made logits; logit_bias and min_tokens steer the engines' outputs; engines that do not apply
+them refuse them by name; ranges are checked."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
-from lab.sample.penalties import apply_penalties
+from lab.sample.logits_processors import apply_logits_processors
 from lab.sched import SchedulerConfig
 from lab.spec.ngram_config import NgramProposerConfig
 from tests.helpers import make_requests
@@ -51,19 +52,50 @@ def test_frequency_and_presence_penalties_subtract_by_count_and_by_presence() ->
                                                   repetition_penalty=2.0))
     request.output_token_ids = [3, 3, 4]
     logits = torch.tensor([[1.0, 2.0, -2.0, 4.0, 0.5, 1.0]])
-    penalized = apply_penalties(logits, [request])
+    penalized = apply_logits_processors(logits, [request], set())
     # repetition: tokens 1-4 (prompt and output) halved if positive, doubled if negative; then 3 twice and 4 once
     assert penalized[0].tolist() == pytest.approx([1.0, 1.0, -4.0, 2.0 - 1.0 - 0.25, 0.25 - 0.5 - 0.25, 1.0])
     plain = Request("p", [1], SamplingParams())
-    assert apply_penalties(logits, [plain]) is logits and logits[0, 1] == 2.0   # nothing copied, nothing changed
+    assert apply_logits_processors(logits, [plain], set()) is logits and logits[0, 1] == 2.0   # not copied, unchanged
 
 
 def test_engines_that_do_not_apply_penalties_refuse_them_and_ranges_are_checked(tiny_runner: ModelRunner) -> None:
     spec = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV)
-    with pytest.raises(LabError, match="engine speculative does not apply repetition, frequency or presence"):
-        spec.run(make_requests([[1, 2, 3]], 4, presence_penalty=0.5))
+    for params in ({"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_tokens": 2}):
+        with pytest.raises(LabError, match="engine speculative does not apply penalties, logit_bias or min_tokens"):
+            spec.run(make_requests([[1, 2, 3]], 4, **params))
+    with pytest.raises(LabError, match="logit_bias names token 128, outside the vocabulary"):
+        AREngine(tiny_runner).run(make_requests([[1, 2, 3]], 4, logit_bias={128: 1.0}))
     for bad, message in [({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
                          ({"frequency_penalty": 2.5}, "frequency_penalty must be between -2 and 2"),
-                         ({"presence_penalty": float("nan")}, "presence_penalty must be between -2 and 2")]:
+                         ({"presence_penalty": float("nan")}, "presence_penalty must be between -2 and 2"),
+                         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be between 0 and max_tokens"),
+                         ({"logit_bias": {3: 101.0}}, "logit_bias must map token ids >= 0 to biases between")]:
         with pytest.raises(LabError, match=message):
             SamplingParams(**bad)
+
+
+def test_logit_bias_adds_to_the_logits_and_min_tokens_bans_stop_tokens_until_then() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    biased = Request("b", [0], SamplingParams(logit_bias={0: 5.0, 3: -4.0}))
+    assert apply_logits_processors(logits, [biased], set())[0].tolist() == [6.0, 2.0, 3.0, 0.0]
+    early = Request("m", [0], SamplingParams(min_tokens=2, stop_token_ids=[1]))
+    early.output_token_ids = [2]
+    assert apply_logits_processors(logits, [early], {3})[0].tolist() == [1.0, float("-inf"), 3.0, float("-inf")]
+    early.output_token_ids = [2, 2]   # two tokens: min_tokens reached, nothing banned
+    assert apply_logits_processors(logits, [early], {3})[0].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("engine_name", ["ar", "cb_paged"])
+def test_logit_bias_and_min_tokens_steer_the_output(engine_name: str, tiny_runner: ModelRunner) -> None:
+    def engine():
+        return (AREngine(tiny_runner) if engine_name == "ar" else
+                ContinuousBatchingEngine(tiny_runner, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), KV))
+    plain = engine().run(make_requests([PROMPTS[1]], 8, ignore_eos=True)).requests[0].output_token_ids
+    forced = engine().run(make_requests([PROMPTS[1]], 8, ignore_eos=True, logit_bias={7: 100.0})).requests[0]
+    assert forced.output_token_ids == [7] * 8
+    stop = plain[1]
+    stopped = engine().run(make_requests([PROMPTS[1]], 8, stop_token_ids=[stop])).requests[0]
+    assert stopped.output_token_ids == plain[:plain.index(stop) + 1]
+    held = engine().run(make_requests([PROMPTS[1]], 8, stop_token_ids=[stop], min_tokens=6)).requests[0]
+    assert len(held.output_token_ids) >= 6 and stop not in held.output_token_ids[:6]
