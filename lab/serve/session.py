@@ -126,11 +126,16 @@ class Session:
         """The choice's whole text: the echoed prompt, if any, then what was generated."""
         return (self.echo_text or "") + self.detokenizer.text
 
+    @property
+    def known_prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        """One entry per prompt token: the engine's, or None throughout when none came (the request ended first)."""
+        return self.prompt_logprobs or [None] * self.request.num_prompt_tokens
+
     def echo_logprobs(self) -> dict[str, Any] | None:
         """Completions' echo with logprobs: the prompt tokens' lists (the first token's logprob null)."""
         if self.echo_text is None or not self.wants_logprobs:
             return None
-        return protocol.completion_logprobs(self.request.prompt_token_ids, self.prompt_logprobs or [None],
+        return protocol.completion_logprobs(self.request.prompt_token_ids, self.known_prompt_logprobs,
                                             self.detokenizer.tokenizer)
 
     def prompt_logprobs_field(self) -> dict[str, Any]:
@@ -138,7 +143,7 @@ class Session:
         if not self.show_prompt_logprobs:
             return {}
         return {"prompt_logprobs": protocol.vllm_prompt_logprobs(self.request.prompt_token_ids,
-                                                                 self.prompt_logprobs or [None],
+                                                                 self.known_prompt_logprobs,
                                                                  self.detokenizer.tokenizer)}
 
     def all_logprobs(self) -> dict[str, Any] | None:
