@@ -112,7 +112,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Job], list[Path]]:
         return (int(number) if number.isdigit() else math.inf, str(path))
 
     for path in sorted(subdirs, key=job_order):
-        if (path / "error.json").exists() or not (path / "results.json").exists():
+        if job_failure(path) is not None:
             skipped.append(path)
             continue
         overrides_file = path / ".hydra" / "overrides.yaml"

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lab.sweep_callback import job_failure
+
 
 def finished_jobs(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Path]]:
     """(results.json of every finished job, job dirs skipped because they failed or hold no results).
@@ -17,9 +19,8 @@ def finished_jobs(sweep_dirs: list[Path]) -> tuple[list[dict[str, Any]], list[Pa
     for sweep_dir in sweep_dirs:
         job_dirs = {p.parent for name in ("results.json", "error.json") for p in Path(sweep_dir).rglob(name)}
         for path in sorted(job_dirs):
-            results_file = path / "results.json"
-            results = json.loads(results_file.read_text()) if results_file.is_file() else {}
-            if (path / "error.json").exists() or not results or results.get("failed_job"):
+            results = {} if job_failure(path) is not None else json.loads((path / "results.json").read_text())
+            if not results or results.get("failed_job"):
                 skipped.append(path)
             else:
                 finished.append(results)

@@ -103,7 +103,6 @@ def console_script(hydra_main: Callable[[], Any]) -> Callable[[], None]:
     """A `@hydra.main` function as a console script with the exit codes above."""
 
     def script() -> None:
-        SWEEP_FAILURES.clear()
         try:
             hydra_main()
         except SystemExit as exit_:

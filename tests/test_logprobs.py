@@ -37,18 +37,21 @@ def hf_logprobs(runner: ModelRunner, prompt: list[int], output: list[int]) -> to
     return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], dim=-1)
 
 
-def engines(runner: ModelRunner) -> dict[str, Engine]:
+def build_engine(name: str, runner: ModelRunner) -> Engine:
     scheduler = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64)
-    return {"ar": AREngine(runner),
-            "cb_paged": ContinuousBatchingEngine(runner, scheduler, KV),
-            "speculative_ngram": SpeculativeEngine(runner, NgramProposerConfig(min_n=1, max_n=3), 3, scheduler, KV),
-            "eagle_tree": SpeculativeEngine(runner, EagleProposerConfig(checkpoint=None, tree_width=4,
-                                                                        draft_vocab_size=0), 2, scheduler, KV)}
+    if name == "ar":
+        return AREngine(runner)
+    if name == "cb_paged":
+        return ContinuousBatchingEngine(runner, scheduler, KV)
+    if name == "speculative_ngram":
+        return SpeculativeEngine(runner, NgramProposerConfig(min_n=1, max_n=3), 3, scheduler, KV)
+    return SpeculativeEngine(runner, EagleProposerConfig(checkpoint=None, tree_width=4, draft_vocab_size=0), 2,
+                             scheduler, KV)
 
 
 @pytest.mark.parametrize("name", ["ar", "cb_paged", "speculative_ngram", "eagle_tree"])
 def test_every_tokens_logprobs_are_hf_log_softmax_at_its_position(name: str, tiny_runner: ModelRunner) -> None:
-    engine = engines(tiny_runner)[name]
+    engine = build_engine(name, tiny_runner)
     requests = make_requests(PROMPTS, 24, ignore_eos=True, logprobs=NUM_TOP)
     requests.append(Request("none", [8, 9, 10], SamplingParams(max_tokens=4, ignore_eos=True)))   # asked for none
     done = {r.request_id: r for r in engine.run(requests).requests}

@@ -45,8 +45,8 @@ def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> Non
 
 def test_sampling_logprobs_go_into_requests_jsonl(tmp_path: Path) -> None:
     cfg = compose_cfg(["model=tiny", "logger=none", "engine=cb_paged", "workload.num_prompts=2",
-                       "workload.input_len=8", "workload.output_len=4", "sampling.logprobs=2", "sampling.prompt_logprobs=0",
-                       "print_table=false"])
+                       "workload.input_len=8", "workload.output_len=4", "sampling.logprobs=2",
+                       "sampling.prompt_logprobs=0", "print_table=false"])
     run(cfg, tmp_path)
     for line in (tmp_path / "requests.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -118,7 +118,7 @@ def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
         "1 of 2 jobs failed (exit code 1; the other jobs' results stand):", f"  {jobs[1]}: {error.splitlines()[0]}"]
 
 
-def test_a_sweep_of_finished_jobs_exits_0_and_reports_no_failures(tmp_path: Path) -> None:
+def test_sweep_failures_are_the_job_dirs_with_an_error_or_no_results(tmp_path: Path) -> None:
     from lab.sweep_callback import sweep_failures
     for i, files in enumerate([("results.json",), ("results.json", "error.json"), ()]):
         job = tmp_path / f"{i}_x" / "nested"

@@ -214,13 +214,14 @@ class ContinuousBatchingEngine(Engine):
         sampled = self.sampler.sample(processed, [r.sampling_params for r in requests],
                                       [self.generator_for(r) for r in requests])
         for row, (request, token_id) in enumerate(zip(requests, sampled)):
-            self.record_logprobs(request, logits[row:row + 1], [token_id])
+            self.record_logprobs(request, logits, [row], [token_id])
         return {r.request_id: token for r, token in zip(requests, sampled)}
 
-    def record_logprobs(self, request: Request, logits: torch.Tensor, token_ids: list[int]) -> None:
-        """For a request that asked for logprobs: logits (len(token_ids), V), the rows its tokens were chosen from."""
+    def record_logprobs(self, request: Request, logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> None:
+        """For a request that asked for logprobs: logits[rows] (len(token_ids), V) are the rows its tokens were chosen
+        from. NOTE: indexed only then, so a step whose requests ask for none pays no copies."""
         if request.sampling_params.logprobs is not None:
-            self.step_logprobs[request.request_id] = token_logprobs(logits, token_ids,
+            self.step_logprobs[request.request_id] = token_logprobs(logits[rows], token_ids,
                                                                    request.sampling_params.logprobs)
 
     # -- accounting --------------------------------------------------------------------------------

@@ -157,12 +157,12 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 result = self.rejection_sampler.verify_tree_greedy(rows, spec, parents)
                 self._keep_tree_path(request, result.path)
                 # NOTE: path[0] follows the root (row 0), path[d] follows draft path[d - 1] (its row, + 1)
-                self.record_logprobs(request, rows[[0] + [node + 1 for node in result.path]], result.token_ids)
+                self.record_logprobs(request, rows, [0] + [node + 1 for node in result.path], result.token_ids)
             else:
                 probs = None if draft is None or draft.probs is None else draft.probs[:len(spec)]
                 result = self.rejection_sampler.verify(rows, spec, request.sampling_params,
                                                        self.generator_for(request), probs)
-                self.record_logprobs(request, rows[:len(result.token_ids)], result.token_ids)
+                self.record_logprobs(request, rows, list(range(len(result.token_ids))), result.token_ids)
             sampled[request.request_id] = result.token_ids
             self.num_emitted_tokens += len(result.token_ids)
             if spec:
