@@ -15,6 +15,7 @@ from lab.errors import LabError
 
 if TYPE_CHECKING:
     from lab.sample.logprobs import TokenLogprobs
+    from lab.sample.structured import RequestGrammar, StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5        # vLLM's: a temperature below it is greedy (dividing logits by it overflows)
 SEED_RANGE = (-2**63, 2**63 - 1)   # vLLM's: a 64-bit signed seed
@@ -39,6 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (OpenAI's, -100 to 100)
     min_tokens: int = 0                  # no stop token (EOS, stop_token_ids) before this many output tokens
+    # NOTE: a JSON schema, regex, choice or grammar the output must match (lab/sample/structured.py)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -80,8 +83,10 @@ class SamplingParams:
 
     @property
     def has_logits_processors(self) -> bool:
+        """Anything lab/sample/logits_processors.py changes the logits for: penalties, logit_bias, min_tokens and
+        structured outputs."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None)
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:
@@ -116,6 +121,7 @@ class Request:
     num_computed_tokens: int = 0       # tokens whose KV is in the cache (vLLM's token-progress model)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     spec_parents: list[int] | None = None   # a tree of drafts: each one's parent (lab/spec/tree.py); None: a chain
+    grammar: RequestGrammar | None = None    # its structured outputs' matcher, compiled when the engine admits it
     first_scheduled_time: float | None = None
     num_preemptions: int = 0           # times the scheduler evicted it (its KV freed, recomputed on readmission)
     token_times: list[float] = field(default_factory=list)   # one timestamp per output token

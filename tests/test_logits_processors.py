@@ -1,7 +1,7 @@
 """vLLM's logits processors: greedy decoding with a repetition penalty equals HF transformers'
 generate(repetition_penalty=...) token for token on `ar` and `cb_paged`; frequency and presence penalties and
 logit_bias on hand-made logits; logit_bias and min_tokens steer the engines' outputs; engines that do not apply
-them refuse them by name; ranges are checked."""
+them refuse them by name; ranges are checked. (Speculative decoding under them: tests/test_structured_outputs.py.)"""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import torch
 
 from lab.engines.ar import AREngine
 from lab.engines.continuous import ContinuousBatchingEngine
-from lab.engines.speculative import SpeculativeEngine
+from lab.engines.static import StaticBatchEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.sample.logits_processors import apply_logits_processors
 from lab.sched import SchedulerConfig
-from lab.spec.ngram_config import NgramProposerConfig
 from tests.helpers import make_requests
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None)
@@ -60,10 +59,10 @@ def test_frequency_and_presence_penalties_subtract_by_count_and_by_presence() ->
 
 
 def test_engines_that_do_not_apply_penalties_refuse_them_and_ranges_are_checked(tiny_runner: ModelRunner) -> None:
-    spec = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV)
+    static = StaticBatchEngine(tiny_runner, batch_size=2)
     for params in ({"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_tokens": 2}):
-        with pytest.raises(LabError, match="engine speculative does not apply penalties, logit_bias or min_tokens"):
-            spec.run(make_requests([[1, 2, 3]], 4, **params))
+        with pytest.raises(LabError, match="engine static does not apply penalties, logit_bias, min_tokens or"):
+            static.run(make_requests([[1, 2, 3]], 4, **params))
     with pytest.raises(LabError, match="logit_bias names token 128, outside the vocabulary"):
         AREngine(tiny_runner).run(make_requests([[1, 2, 3]], 4, logit_bias={128: 1.0}))
     for bad, message in [({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),

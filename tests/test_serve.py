@@ -308,6 +308,31 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_engine(served: Served, ti
     assert choice["text"] != "" and choice["finish_reason"] == "length"
 
 
+def test_structured_outputs_by_every_spelling(served: Served, client: openai.OpenAI) -> None:
+    """OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs and its older guided_* fields:
+    each output matches its constraint, streamed or not, and ends with finish_reason stop."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is it ok? Answer in JSON."}], temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema, "strict": True}})
+    message = chat.choices[0].message
+    assert chat.choices[0].finish_reason == "stop" and isinstance(json.loads(message.content)["ok"], bool)
+    body = {"model": MODEL, "prompt": "Pick:", "max_tokens": 20, "temperature": 0}
+    for constraint, check in [({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
+                              ({"guided_regex": "[0-9]{2}"}, lambda t: len(t) == 2 and t.isdigit()),
+                              ({"structured_outputs": {"regex": "x[yz]"}}, lambda t: t in ("xy", "xz")),
+                              ({"guided_json": {"enum": [1, 2]}}, lambda t: json.loads(t) in (1, 2))]:
+        choice = httpx.post(served.url + "/v1/completions", json={**body, **constraint}).json()["choices"][0]
+        assert check(choice["text"]) and choice["finish_reason"] == "stop", (constraint, choice)
+        stream = _sse_chunks(httpx.post(served.url + "/v1/completions", json={**body, **constraint, "stream": True}))
+        assert "".join(c["choices"][0]["text"] for c in stream if c["choices"]) == choice["text"], constraint
+    sampled = client.completions.create(model=MODEL, prompt="{", max_tokens=60, temperature=1.0, seed=1, n=3,
+                                        extra_body={"guided_json": schema, "guided_decoding_backend": "guidance"})
+    for choice in sampled.choices:
+        assert choice.finish_reason == "length" or isinstance(json.loads(choice.text)["ok"], bool), choice.text
+
+
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
     served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
     with served.thread:
@@ -379,7 +404,16 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
     ("logit_bias outside the vocab", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 1}}, 400, None),
     ("min_tokens over max_tokens", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400,
      "min_tokens"),
-    ("json mode", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("response_format yaml", {"model": MODEL, "prompt": "hi", "response_format": {"type": "yaml"}}, 400,
+     "response_format"),
+    ("json_schema without a schema", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_schema"}},
+     400, "response_format"),
+    ("two output constraints", {"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"},
+                                "guided_regex": "a+"}, 400, "guided_regex"),
+    ("structured_outputs with an unknown key", {"model": MODEL, "prompt": "hi", "structured_outputs": {"yaml": 1}},
+     400, "structured_outputs"),
+    ("guided_choice of nothing", {"model": MODEL, "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("a regex that does not compile", {"model": MODEL, "prompt": "hi", "guided_regex": "[a-"}, 400, None),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options"),
 ]

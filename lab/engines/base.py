@@ -21,6 +21,7 @@ from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
 from lab.sample import Sampler
 from lab.sample.sampler import make_generator
+from lab.sample.structured import GrammarCompiler
 
 
 @dataclass(slots=True)
@@ -35,7 +36,8 @@ class Engine(ABC):
     supports_arrivals: bool = True
     # NOTE: engines that record each sampled token's logprobs (SamplingParams.logprobs); the others refuse such requests
     supports_logprobs: bool = False
-    # NOTE: engines that apply SamplingParams' penalties, logit_bias and min_tokens (lab/sample/logits_processors.py)
+    # NOTE: engines that apply SamplingParams' penalties, logit_bias, min_tokens and structured outputs
+    # (lab/sample/logits_processors.py)
     supports_logits_processors: bool = False
 
     def __init__(self, runner: ModelRunner, name: str | None = None, seed: int = 0) -> None:
@@ -49,6 +51,7 @@ class Engine(ABC):
         self.step_hook: Callable[[], None] | None = None  # e.g. the profiler's step()
         self.peak_kv_reserved_bytes = 0
         self.peak_kv_used_bytes = 0
+        self._grammar_compiler: GrammarCompiler | None = None   # built at the first structured-output request
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -86,8 +89,9 @@ class Engine(ABC):
             raise LabError(f"request {request.request_id}: empty prompt", "give every request at least one token")
         params = request.sampling_params
         if params.has_logits_processors and not self.supports_logits_processors:
-            raise LabError(f"request {request.request_id}: engine {self.name} does not apply penalties, logit_bias or "
-                           "min_tokens", "use engine=ar, cb_slots or cb_paged for them")
+            raise LabError(f"request {request.request_id}: engine {self.name} does not apply penalties, logit_bias, "
+                           "min_tokens or structured outputs",
+                           "use engine=ar, cb_slots, cb_paged or a speculative engine for them")
         if params.logit_bias and max(params.logit_bias) >= self.runner.vocab_size:
             raise LabError(f"request {request.request_id}: logit_bias names token {max(params.logit_bias)}, outside "
                            f"the vocabulary (size {self.runner.vocab_size})", "bias token ids the model has")
@@ -99,6 +103,11 @@ class Engine(ABC):
                 f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.sampling_params.max_tokens}) = {needed} exceeds the model's context ({max_len})",
                 "shorten the prompt, lower workload.max_tokens / workload.output_len, or raise model.max_model_len")
+        if params.structured_outputs is not None and request.grammar is None:
+            # NOTE: compiled here, so a constraint that does not compile is a bad request (the server's 400)
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.runner.tokenizer)
+            request.grammar = self._grammar_compiler.compile(params.structured_outputs)
 
     def add_request(self, request: Request) -> None:
         self.validate(request)

@@ -26,20 +26,22 @@ from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
+from lab.sample.logits_processors import apply_logits_processors_to_drafts
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.counters import SpecCounters
 from lab.spec.proposer import Draft, ProposerConfig, check_num_spec_tokens
 from lab.spec.schedule import SpecSchedule
+from lab.spec.tree import row_prefixes
 
 SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
 MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts fit the attention's hidden-key bits
 
 
 class SpeculativeEngine(ContinuousBatchingEngine):
-    # NOTE: a penalty changes the target's distribution at every drafted position by the drafts before it; verifying
-    # under penalties is not built (vLLM's first spec-decode releases refused them too)
-    supports_logits_processors = False
+    # NOTE: a penalty or a grammar changes the target's distribution at every drafted position by the drafts before
+    # it: each verify row is processed as if those drafts had been sampled (lab/sample/logits_processors.py)
+    supports_logits_processors = True
 
     def __init__(self, runner: ModelRunner, proposer: ProposerConfig, num_spec_tokens: int = 4,
                  scheduler: SchedulerConfig | None = None, kv_cache: KVCacheConfig | None = None,
@@ -153,14 +155,18 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             row += 1 + len(spec)
             draft = self._drafts.pop(request.request_id, None)
             parents = out.scheduled_spec_parents.get(request.request_id)
+            processed = rows   # NOTE: logprobs stay the raw rows' (vLLM's default); the verify reads these
+            if request.sampling_params.has_logits_processors:
+                processed = apply_logits_processors_to_drafts(rows, request, self.runner.eos_token_ids,
+                                                              row_prefixes(spec, parents))
             if parents is not None:
-                result = self.rejection_sampler.verify_tree_greedy(rows, spec, parents)
+                result = self.rejection_sampler.verify_tree_greedy(processed, spec, parents)
                 self._keep_tree_path(request, result.path)
                 # NOTE: path[0] follows the root (row 0), path[d] follows draft path[d - 1] (its row, + 1)
                 self.record_logprobs(request, rows, [0] + [node + 1 for node in result.path], result.token_ids)
             else:
                 probs = None if draft is None or draft.probs is None else draft.probs[:len(spec)]
-                result = self.rejection_sampler.verify(rows, spec, request.sampling_params,
+                result = self.rejection_sampler.verify(processed, spec, request.sampling_params,
                                                        self.generator_for(request), probs)
                 self.record_logprobs(request, rows, list(range(len(result.token_ids))), result.token_ids)
             sampled[request.request_id] = result.token_ids

@@ -1,7 +1,8 @@
 """The OpenAI wire format: request schemas (validated with pydantic), error bodies, response builders.
 
 Owns: what a client may send and what it gets back, field by field. Ignores: engines and tokenization.
-Extensions as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`; prompts may be token ids.
+Extensions as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`, `structured_outputs` (and its older `guided_*`
+fields); prompts may be token ids.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from lab.errors import LabError
 from lab.request import MAX_LOGPROBS, SamplingParams
 from lab.sample.logprobs import TokenLogprobs
+from lab.sample.structured import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 MAX_N = 128          # OpenAI's limit on `n`
@@ -36,10 +38,14 @@ class APIError(Exception):
 # NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
 # refused (400), not silently ignored: a client asking for JSON must not get free text back
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
-    "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "best_of": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "suffix": (None, ""),
 }
+
+
+# NOTE: vLLM's older spellings of structured outputs (before `structured_outputs`), each the field it sets
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 def refuse_unsupported(payload: dict[str, Any]) -> None:
@@ -79,6 +85,12 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None   # vLLM's extension (HF's meaning)
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (a JSON key, so a string) -> bias
     min_tokens: int | None = None                # vLLM's extension
+    response_format: dict[str, Any] | None = None   # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None   # vLLM's: json, regex, choice, grammar or json_object
+    guided_json: dict[str, Any] | str | None = None    # vLLM's older spellings of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
     @classmethod
@@ -112,6 +124,31 @@ class SamplingFields(BaseModel):
         """How many top logprobs each prompt token reports (None: none)."""
         return self.prompt_logprobs
 
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request sets, by whichever of its spellings (None: free text)."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None:
+            if (spec := response_format_constraint(self.response_format)) is not None:
+                given["response_format"] = spec
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name, field in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                given[name] = {field: getattr(self, name)}
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(400, f"set one output constraint, got {', '.join(given)}", param=list(given)[1])
+        (param, spec), = given.items()
+        unknown = set(spec) - set(StructuredOutputsParams.__dataclass_fields__)
+        if unknown:
+            raise APIError(400, f"{param} has unknown fields {sorted(unknown)}; it takes one of json, regex, choice, "
+                           "grammar, json_object (and disable_any_whitespace)", param=param)
+        try:
+            return StructuredOutputsParams(**spec)
+        except (LabError, TypeError) as exc:
+            raise APIError(400, f"{param}: {exc.problem if isinstance(exc, LabError) else exc}", param=param) from None
+
     def sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
         """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i."""
         if self.stream_options is not None and not self.stream:
@@ -133,9 +170,29 @@ class SamplingFields(BaseModel):
                 logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=logit_bias or None, min_tokens=self.min_tokens or 0)
+                logit_bias=logit_bias or None, min_tokens=self.min_tokens or 0,
+                structured_outputs=self.structured_outputs_params())
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
+
+
+def response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's response_format -> structured-output fields: "text" none, "json_object" any JSON object,
+    "json_schema" the schema under json_schema.schema (strict or not, the output matches it)."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                           param="response_format")
+        return {"json": schema}
+    raise APIError(400, f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+                   param="response_format")
 
 
 class CompletionRequest(SamplingFields):

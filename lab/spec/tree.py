@@ -61,6 +61,15 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def row_prefixes(token_ids: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The drafted tokens each verify row follows: the root's row none, node i's row the tokens from the root's
+    child down to node i (a chain, parents None: drafts 0..i) -> 1 + n lists."""
+    prefixes: list[list[int]] = [[]]
+    for i, parent in enumerate(parents if parents is not None else chain_parents(len(token_ids))):
+        prefixes.append(prefixes[parent + 1] + [token_ids[i]])
+    return prefixes
+
+
 def limit_depth(token_ids: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
     """The nodes at most `max_depth` deep (a request with room for that many more tokens), parents re-indexed."""
     kept: dict[int, int] = {}

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from lab.errors import LabError
 from lab.request import Request, SamplingParams
+from lab.sample.structured import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -20,10 +22,12 @@ class SamplingDefaults:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # each output token's logprob and the k most likely, into requests.jsonl
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (no prefix-cache hits for them)
-    repetition_penalty: float = 1.0      # lab/sample/logits_processors.py (ar, cb_slots, cb_paged)
+    repetition_penalty: float = 1.0      # lab/sample/logits_processors.py (ar, cb_*, speculative)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens: int = 0                  # no stop token before this many output tokens (vLLM's)
+    # NOTE: one of json (a schema), regex, choice, grammar, json_object: lab/sample/structured.py
+    structured_outputs: dict[str, Any] | None = None
 
     def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
@@ -31,7 +35,17 @@ class SamplingDefaults:
                               ignore_eos=ignore_eos, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                              min_tokens=min(self.min_tokens, max_tokens))
+                              min_tokens=min(self.min_tokens, max_tokens),
+                              structured_outputs=self._structured_outputs())
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.structured_outputs is None:
+            return None
+        unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+        if unknown:
+            raise LabError(f"sampling.structured_outputs has unknown keys {sorted(unknown)}",
+                           "set one of json, regex, choice, grammar, json_object (and disable_any_whitespace)")
+        return StructuredOutputsParams(**self.structured_outputs)
 
 
 class Workload(Protocol):
