@@ -30,6 +30,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0       # vLLM's: drop tokens less likely than min_p x the likeliest (after temperature); 0 is off
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -40,6 +41,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit (OpenAI's, -100 to 100)
     min_tokens: int = 0                  # no stop token (EOS, stop_token_ids) before this many output tokens
+    allowed_token_ids: list[int] | None = None   # vLLM's: only these may be generated
+    # NOTE: vLLM's bad_words, tokenized (the server does it, with and without a leading space): a word's last token
+    # is banned wherever the output so far ends with the word's other tokens
+    bad_words_token_ids: list[list[int]] | None = None
     # NOTE: a JSON schema, regex, choice or grammar the output must match (lab/sample/structured.py)
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -54,6 +59,13 @@ class SamplingParams:
             self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise LabError(f"top_p must be in (0, 1], got {self.top_p}", "use 1.0 to disable nucleus sampling")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise LabError(f"min_p must be in [0, 1], got {self.min_p}", "use 0 to disable min-p sampling")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise LabError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                           f"{self.allowed_token_ids}", "list the token ids the output may use, or leave it unset")
+        if self.bad_words_token_ids is not None and not all(self.bad_words_token_ids):
+            raise LabError("bad_words must not hold an empty word", "list words of at least one token")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise LabError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
                            "use 1.0 for none (above 1 discourages repeats)")
@@ -83,10 +95,11 @@ class SamplingParams:
 
     @property
     def has_logits_processors(self) -> bool:
-        """Anything lab/sample/logits_processors.py changes the logits for: penalties, logit_bias, min_tokens and
-        structured outputs."""
+        """Anything lab/sample/logits_processors.py changes the logits for: penalties, logit_bias, min_tokens,
+        structured outputs, allowed_token_ids and bad words."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.structured_outputs is not None
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:

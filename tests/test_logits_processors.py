@@ -15,7 +15,7 @@ from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
-from lab.sample.logits_processors import apply_logits_processors
+from lab.sample.logits_processors import apply_logits_processors, apply_logits_processors_to_drafts
 from lab.sched import SchedulerConfig
 from tests.helpers import make_requests
 
@@ -61,7 +61,7 @@ def test_frequency_and_presence_penalties_subtract_by_count_and_by_presence() ->
 def test_engines_that_do_not_apply_penalties_refuse_them_and_ranges_are_checked(tiny_runner: ModelRunner) -> None:
     static = StaticBatchEngine(tiny_runner, batch_size=2)
     for params in ({"presence_penalty": 0.5}, {"logit_bias": {5: 1.0}}, {"min_tokens": 2}):
-        with pytest.raises(LabError, match="engine static does not apply penalties, logit_bias, min_tokens or"):
+        with pytest.raises(LabError, match="engine static does not apply penalties, logit_bias, min_tokens, allowed"):
             static.run(make_requests([[1, 2, 3]], 4, **params))
     with pytest.raises(LabError, match="logit_bias names token 128, outside the vocabulary"):
         AREngine(tiny_runner).run(make_requests([[1, 2, 3]], 4, logit_bias={128: 1.0}))
@@ -98,3 +98,36 @@ def test_logit_bias_and_min_tokens_steer_the_output(engine_name: str, tiny_runne
     assert stopped.output_token_ids == plain[:plain.index(stop) + 1]
     held = engine().run(make_requests([PROMPTS[1]], 8, stop_token_ids=[stop], min_tokens=6)).requests[0]
     assert len(held.output_token_ids) >= 6 and stop not in held.output_token_ids[:6]
+
+
+def test_allowed_token_ids_and_bad_words_with_the_drafts_before_each_row() -> None:
+    logits = torch.zeros(1, 6)
+    only = Request("a", [0], SamplingParams(allowed_token_ids=[1, 4]))
+    assert apply_logits_processors(logits, [only], set())[0].isfinite().nonzero().flatten().tolist() == [1, 4]
+    bad = Request("b", [0], SamplingParams(bad_words_token_ids=[[2, 3], [5]]))
+    bad.output_token_ids = [1, 2]
+    # NOTE: 5 is banned everywhere; 3 only right after 2
+    assert apply_logits_processors(logits, [bad], set())[0].isinf().nonzero().flatten().tolist() == [3, 5]
+    rows = apply_logits_processors_to_drafts(torch.zeros(3, 6), bad, set(), [[], [4], [4, 2]])   # drafts 4, 2
+    assert [r.isinf().nonzero().flatten().tolist() for r in rows] == [[3, 5], [5], [3, 5]]
+    for fields, message in [({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+                            ({"bad_words_token_ids": [[1], []]}, "bad_words must not hold an empty word")]:
+        with pytest.raises(LabError, match=message):
+            SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("engine_name", ["ar", "cb_paged"])
+def test_allowed_token_ids_and_bad_words_steer_the_output(engine_name: str, tiny_runner: ModelRunner) -> None:
+    def run(**params) -> list[int]:
+        engine = (AREngine(tiny_runner) if engine_name == "ar" else
+                  ContinuousBatchingEngine(tiny_runner, SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), KV))
+        return engine.run(make_requests([PROMPTS[1]], 8, ignore_eos=True, **params)).requests[0].output_token_ids
+    plain = run()
+    assert set(run(allowed_token_ids=[7, 8])) <= {7, 8}
+    banned = run(bad_words_token_ids=[[plain[0]]])
+    assert plain[0] not in banned
+    pair = [plain[2], plain[3]]
+    no_pair = run(bad_words_token_ids=[pair])
+    assert all(no_pair[i:i + 2] != pair for i in range(len(no_pair) - 1)) and no_pair[:3] == plain[:3]
+    with pytest.raises(LabError, match="allowed_token_ids names token 128, outside the vocabulary"):
+        run(allowed_token_ids=[5, 128])

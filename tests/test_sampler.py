@@ -1,4 +1,4 @@
-"""Sampler: greedy is argmax; top-k and top-p keep exactly the tokens HF's warpers keep; seeds reproduce."""
+"""Sampler: greedy is argmax; top-k, top-p and min-p keep exactly the tokens HF's warpers keep; seeds reproduce."""
 
 from __future__ import annotations
 
@@ -47,6 +47,25 @@ def test_top_p_agrees_with_hf_warper() -> None:
         if top_p < 1:
             theirs = TopPLogitsWarper(top_p)(None, theirs)
         assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs[0])), f"top_k={top_k} top_p={top_p}"
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest_as_hf_and_vllm() -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    kept = torch.isfinite(filter_logits(probs.log(), top_k=0, top_p=1.0, min_p=0.2)).nonzero().flatten().tolist()
+    assert kept == [0, 1, 2]   # 0.08 < 0.2 x 0.5
+    logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(1)) * 3
+    for min_p in (0.01, 0.1, 0.5):
+        ours = filter_logits(logits[0], top_k=0, top_p=1.0, min_p=min_p)
+        theirs = MinPLogitsWarper(min_p)(None, logits.clone())
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs[0])), min_p
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, min_p=0.2)
+    draws = {Sampler().sample(probs.log()[None], [params], [generator])[0] for _ in range(300)}
+    assert draws == {0, 1, 2}
+    with pytest.raises(LabError, match=r"min_p must be in \[0, 1\]"):
+        SamplingParams(min_p=1.5)
 
 
 def test_sampling_follows_the_distribution() -> None:

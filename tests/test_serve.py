@@ -333,6 +333,57 @@ def test_structured_outputs_by_every_spelling(served: Served, client: openai.Ope
         assert choice.finish_reason == "length" or isinstance(json.loads(choice.text)["ok"], bool), choice.text
 
 
+def test_vllm_sampling_extensions_reach_the_engine_and_the_text(served: Served, tiny_text_runner: ModelRunner) -> None:
+    """min_p, allowed_token_ids, bad_words, truncate_prompt_tokens, include_stop_str_in_output, skip_special_tokens:
+    each as vLLM's."""
+    tokenizer = tiny_text_runner.tokenizer
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    plain = reference_tokens(tiny_text_runner, PROMPT, 8)
+
+    def completion(**extra) -> dict[str, Any]:
+        response = httpx.post(served.url + "/v1/completions", json={**body, **extra})
+        assert response.status_code == 200, (extra, response.text)
+        return response.json()["choices"][0]
+
+    assert completion(min_p=0.5)["text"] == completion()["text"]   # greedy: min-p keeps the likeliest
+    assert set(tokenizer.encode(completion(allowed_token_ids=[42, 43])["text"])) <= {42, 43}
+    word = tokenizer.decode([plain[0]]).strip()
+    assert not completion(bad_words=[word])["text"].startswith(tokenizer.decode([plain[0]]))
+    request = Request("ref", PROMPT[-3:], SamplingParams(max_tokens=8, ignore_eos=True))
+    truncated = AREngine(tiny_text_runner).run([request]).requests[0].output_token_ids
+    short = httpx.post(served.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 3}).json()
+    assert short["choices"][0]["text"] == tokenizer.decode(truncated) and short["usage"]["prompt_tokens"] == 3
+    # NOTE: the stop token's text is left out unless include_stop_str_in_output (vLLM's), and so is a stop string
+    stop_token = {"stop_token_ids": [plain[2]], "ignore_eos": False}
+    assert completion(**stop_token)["text"] == tokenizer.decode(plain[:2])
+    assert completion(**stop_token, include_stop_str_in_output=True)["text"] == tokenizer.decode(plain[:3])
+    full = completion()["text"]
+    stop = full[len(tokenizer.decode(plain[:2])):][:2]
+    assert completion(stop=[stop], include_stop_str_in_output=True)["text"] == full[:full.index(stop) + len(stop)]
+    eos = sorted(tiny_text_runner.eos_token_ids)[0]
+    ended = {"logit_bias": {str(eos): 100}, "ignore_eos": False, "max_tokens": 3}
+    assert completion(**ended)["text"] == "" and completion(**ended, skip_special_tokens=False)["text"] == ""
+    special = completion(**ended, skip_special_tokens=False, include_stop_str_in_output=True)["text"]
+    assert special == tokenizer.decode([eos])
+
+
+def test_tokenize_and_detokenize(served: Served, tiny_text_runner: ModelRunner) -> None:
+    tokenizer = tiny_text_runner.tokenizer
+    out = httpx.post(served.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world",
+                                                       "return_token_strs": True}).json()
+    assert out["tokens"] == tokenizer.encode("Hello world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 2048 and "".join(out["token_strs"]) == "Hello world"
+    chat = httpx.post(served.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == chat_prompt(tokenizer, "hi")
+    text = httpx.post(served.url + "/detokenize", json={"model": MODEL, "tokens": out["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    for path, bad, param in [("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/tokenize", {"model": "other", "prompt": "a"}, "model")]:
+        response = httpx.post(served.url + path, json=bad)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
+
+
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
     served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
     with served.thread:
@@ -414,6 +465,13 @@ BAD_BODIES: list[tuple[str, Any, int, str | None]] = [
      400, "structured_outputs"),
     ("guided_choice of nothing", {"model": MODEL, "prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
     ("a regex that does not compile", {"model": MODEL, "prompt": "hi", "guided_regex": "[a-"}, 400, None),
+    ("min_p past 1", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ("allowed_token_ids empty", {"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("allowed_token_ids outside the vocab", {"model": MODEL, "prompt": "hi", "allowed_token_ids": [10**9]}, 400, None),
+    ("a bad word of spaces", {"model": MODEL, "prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
+    ("truncate_prompt_tokens 0", {"model": MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("beam search", {"model": MODEL, "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ("stream_options without stream", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
      400, "stream_options"),
 ]

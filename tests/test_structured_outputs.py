@@ -174,7 +174,7 @@ def test_verifying_drafts_under_penalties_is_lossless(proposer: str, tiny_source
     penalties, for a chain and for a tree of drafts."""
     prompts = [[5, 17, 99, 5, 17, 99, 5, 17], [3, 44, 12, 3, 44], [70, 71, 72, 73, 70, 71, 72]]
     params = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.2, "logit_bias": {9: 2.0},
-              "min_tokens": 10, "stop_token_ids": [11]}
+              "min_tokens": 10, "stop_token_ids": [11], "bad_words_token_ids": [[17, 99], [12]]}
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 16, **params)).requests]
     config = (DraftModelProposerConfig(source=tiny_source) if proposer == "draft_equals_target" else
               EagleProposerConfig(checkpoint=None, tree_width=3, draft_vocab_size=0))
@@ -227,7 +227,7 @@ def test_bad_constraints_are_refused_by_name(tiny_text_runner: ModelRunner, tiny
     regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(LabError, match="structured outputs need the model's tokenizer"):
         AREngine(tiny_runner).validate(Request("ids", [1, 2], regex))
-    with pytest.raises(LabError, match="engine static does not apply penalties, logit_bias, min_tokens or structured"):
+    with pytest.raises(LabError, match="engine static does not apply penalties, logit_bias, min_tokens, allowed_"):
         StaticBatchEngine(tiny_text_runner, batch_size=2).validate(Request("s", [1, 2], regex))
 
 

@@ -90,11 +90,15 @@ class Engine(ABC):
         params = request.sampling_params
         if params.has_logits_processors and not self.supports_logits_processors:
             raise LabError(f"request {request.request_id}: engine {self.name} does not apply penalties, logit_bias, "
-                           "min_tokens or structured outputs",
+                           "min_tokens, allowed_token_ids, bad_words or structured outputs",
                            "use engine=ar, cb_slots, cb_paged or a speculative engine for them")
-        if params.logit_bias and max(params.logit_bias) >= self.runner.vocab_size:
-            raise LabError(f"request {request.request_id}: logit_bias names token {max(params.logit_bias)}, outside "
-                           f"the vocabulary (size {self.runner.vocab_size})", "bias token ids the model has")
+        named_token_ids = {"logit_bias": list(params.logit_bias or ()),
+                           "allowed_token_ids": params.allowed_token_ids or [],
+                           "bad_words": [t for word in params.bad_words_token_ids or () for t in word]}
+        for name, token_ids in named_token_ids.items():
+            if token_ids and max(token_ids) >= self.runner.vocab_size:
+                raise LabError(f"request {request.request_id}: {name} names token {max(token_ids)}, outside the "
+                               f"vocabulary (size {self.runner.vocab_size})", "use token ids the model has")
         if request.wants_logprobs and not self.supports_logprobs:
             raise LabError(f"request {request.request_id}: engine {self.name} does not compute logprobs",
                            "use engine=ar, cb_slots, cb_paged or a speculative engine for logprobs")

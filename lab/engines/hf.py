@@ -49,7 +49,8 @@ def _model_eos_disabled(model: torch.nn.Module, disable: bool) -> Iterator[None]
 
 def generation_settings(params: SamplingParams) -> tuple:
     """What one HF generate() call applies to every row alike."""
-    return params.temperature, params.top_k, params.top_p, params.ignore_eos, sorted(params.stop_token_ids)
+    return (params.temperature, params.top_k, params.top_p, params.min_p, params.ignore_eos,
+            sorted(params.stop_token_ids))
 
 
 class HFEngine(Engine):
@@ -79,7 +80,7 @@ class HFEngine(Engine):
                       bos_token_id=None, do_sample=not params.is_greedy)
         if not params.is_greedy:
             kwargs.update(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else None,
-                          top_p=params.top_p)
+                          top_p=params.top_p, min_p=params.min_p or None)
         return GenerationConfig(**kwargs)
 
     def step(self) -> list[Request]:

@@ -114,16 +114,16 @@ class HFCBEngine(Engine):
     def _generation_config(self, requests: list[Request]) -> GenerationConfig:
         """HF's manager applies one set of logits processors to every request."""
         params = requests[0].sampling_params
-        key = (params.temperature, params.top_k, params.top_p)
-        if any((r.sampling_params.temperature, r.sampling_params.top_k, r.sampling_params.top_p) != key
-               for r in requests):
-            raise LabError("hf_cb needs one temperature/top_k/top_p for every request of a run",
+        key = (params.temperature, params.top_k, params.top_p, params.min_p)
+        if any((r.sampling_params.temperature, r.sampling_params.top_k, r.sampling_params.top_p,
+                r.sampling_params.min_p) != key for r in requests):
+            raise LabError("hf_cb needs one temperature/top_k/top_p/min_p for every request of a run",
                            "set the sampling settings once (sampling.*) for the whole workload")
         kwargs: dict[str, Any] = dict(max_new_tokens=params.max_tokens, do_sample=not params.is_greedy,
                                       eos_token_id=-1, pad_token_id=0, bos_token_id=None)
         if not params.is_greedy:
             kwargs.update(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else None,
-                          top_p=params.top_p)
+                          top_p=params.top_p, min_p=params.min_p or None)
         return GenerationConfig(**kwargs)
 
     def _sampling_seed(self, requests: list[Request]) -> int:

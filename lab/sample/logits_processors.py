@@ -6,9 +6,11 @@ decoding takes the processed argmax (logprobs stay the raw ones, as vLLM's defau
 - frequency_penalty f: minus f times the token's count in the output so far (OpenAI's; 0 is off);
 - presence_penalty p: minus p for every token the output already holds (OpenAI's; 0 is off);
 - logit_bias {token id: b}: plus b (OpenAI's, -100 to 100);
+- allowed_token_ids (vLLM's): -inf for every other token;
+- bad words (vLLM's, as token ids): a word's last token is -inf where the output so far ends with its other tokens;
 - structured outputs: -inf for every token the request's grammar does not allow next (lab/sample/structured.py);
 - min_tokens m: until the output holds m tokens, its stop tokens (EOS unless ignore_eos, stop_token_ids) are
-  banned (vLLM's), unless the grammar allows nothing else: a complete grammar ends the request.
+  banned (vLLM's), unless nothing else is left (a complete grammar, say): then the request may end.
 
 A verify step (speculative decoding) scores a request's drafted tokens in one forward: the row after draft i sees
 the output so far plus drafts 0..i (`drafted`), so each row is processed as if the drafts before it had been
@@ -66,6 +68,14 @@ def _process_row(row: torch.Tensor, request: Request, eos_token_ids: set[int], d
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
         row[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=device)
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        allowed[[t for t in params.allowed_token_ids if t < vocab_size]] = True
+        row.masked_fill_(~allowed, float("-inf"))
+    for word in params.bad_words_token_ids or ():
+        *prefix, last = word
+        if last < vocab_size and (not prefix or outputs[len(outputs) - len(prefix):] == prefix):
+            row[last] = float("-inf")
     if request.grammar is not None:
         request.grammar.catch_up(request.output_token_ids)
         allowed = request.grammar.allowed(drafted).to(device)                         # (V_tokenizer,)
@@ -77,6 +87,5 @@ def _process_row(row: torch.Tensor, request: Request, eos_token_ids: set[int], d
     if len(outputs) < params.min_tokens:
         banned = torch.tensor(sorted(t for t in stop_ids(params, eos_token_ids) if t < vocab_size),
                               dtype=torch.long, device=device)
-        others = torch.isfinite(row).sum() - torch.isfinite(row[banned]).sum()
-        if request.grammar is None or others > 0:
+        if torch.isfinite(row).sum() > torch.isfinite(row[banned]).sum():
             row[banned] = float("-inf")

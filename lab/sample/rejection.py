@@ -30,7 +30,7 @@ class VerifyResult:
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits (T, V) -> the distribution the plain sampler would draw from at each position, (T, V)."""
     scaled = logits.float() / params.temperature
-    return torch.stack([filter_logits(row, params.top_k, params.top_p).softmax(-1) for row in scaled])
+    return torch.stack([filter_logits(row, params.top_k, params.top_p, params.min_p).softmax(-1) for row in scaled])
 
 
 class RejectionSampler:

@@ -1,9 +1,11 @@
-"""Sampler: greedy, temperature, top-k, top-p, per-request seeded generators.
+"""Sampler: greedy, temperature, min-p, top-k, top-p, per-request seeded generators.
 
 Owns: turning logits into token ids. Ignores: requests (it sees SamplingParams and generators only).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -16,8 +18,12 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits (V,) already temperature-scaled -> logits with filtered entries at -inf (HF's semantics)."""
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits (V,) already temperature-scaled -> logits with filtered entries at -inf: min-p first, then top-k and
+    top-p (vLLM's order; each as HF's and vLLM's define it)."""
+    if min_p > 0.0:
+        # NOTE: p < min_p * p_max  <=>  logit < max logit + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -43,7 +49,7 @@ class Sampler:
             if p.is_greedy:
                 token_ids.append(int(row.argmax()))
                 continue
-            scaled = filter_logits(row.float() / p.temperature, p.top_k, p.top_p)
+            scaled = filter_logits(row.float() / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = scaled.softmax(-1)
             token_ids.append(int(torch.multinomial(probs, 1, generator=generator)))
         return token_ids

@@ -29,8 +29,8 @@ from lab.serve import session as sessions
 from lab.serve.detokenizer import IncrementalDetokenizer
 from lab.serve.engine_loop import EngineClient, RequestOutput
 from lab.serve.metrics import ServerMetrics
-from lab.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Endpoint, SamplingFields,
-                                refuse_unsupported)
+from lab.serve.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                DetokenizeRequest, Endpoint, SamplingFields, TokenizeRequest, refuse_unsupported)
 from lab.workloads.file import encode_record
 
 log = logging.getLogger("lab.serve")
@@ -76,25 +76,25 @@ class OpenAIServer:
         except ValidationError as exc:
             message, param = _validation_message(exc)
             raise APIError(400, message, param=param, code="invalid_type") from None
-        if body.model != self.options.model_name:
+        if body.model is not None and body.model != self.options.model_name:   # NOTE: optional only for /tokenize
             raise APIError(404, f"the model `{body.model}` does not exist; this server serves "
                            f"`{self.options.model_name}`", param="model", code="model_not_found")
         return body
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def tokenize_prompt(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, list):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt")
+                raise APIError(400, f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", param=param)
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return encode_record({"prompt": prompt}, self.tokenizer)
 
-    def tokenize_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def tokenize_chat(self, chat_messages: list[ChatMessage]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in chat_messages]
         try:
             return encode_record({"messages": messages}, self.tokenizer)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (roles, order)
@@ -150,13 +150,14 @@ class OpenAIServer:
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         now = time.perf_counter()
         choices = [(p, i) for p in range(len(prompts)) for i in range(body.n)]
+        bad_words_token_ids = self.tokenize_bad_words(body.bad_words or [])
         requests = []
         for index, (prompt_index, sample_index) in enumerate(choices):
             prompt_token_ids, max_tokens = prompts[prompt_index]
             # NOTE: one choice keeps the response's id as the engine's; several get -<index> (vLLM: <index>_<id>)
             request_id = response_id if len(choices) == 1 else f"{response_id}-{index}"
-            request = Request(request_id, prompt_token_ids, body.sampling_params(max_tokens, sample_index),
-                              arrival_time=now)
+            request = Request(request_id, prompt_token_ids,
+                              body.sampling_params(max_tokens, sample_index, bad_words_token_ids), arrival_time=now)
             try:
                 self.client.validate(request)
             except LabError as exc:
@@ -165,7 +166,8 @@ class OpenAIServer:
         self.admit(len(requests))
         self.metrics.prompt_tokens.labels(self.options.model_name).inc(sum(len(p) for p, _ in prompts))
         group = [sessions.Session(kind, self.options.model_name, request, response_id, index, choices[index][0],
-                                  self.client, IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream),
+                                  self.client, IncrementalDetokenizer(self.tokenizer, body.stop_strings, body.stream,
+                                                         body.include_stop_str_in_output, body.skip_special_tokens),
                                   body.include_usage, self.release,
                                   echo_text=None if echo_texts is None else echo_texts[choices[index][0]],
                                   show_prompt_logprobs=body.prompt_logprobs is not None)
@@ -185,11 +187,30 @@ class OpenAIServer:
         body: CompletionRequest = await self.parse(http_request, CompletionRequest)
         prompts, echo_texts = [], []
         for prompt in body.prompts():
-            prompt_token_ids = self.tokenize_prompt(prompt)
+            whole = self.tokenize_prompt(prompt)
+            prompt_token_ids = body.truncated(whole)
             prompts.append((prompt_token_ids, self.max_tokens(body.max_tokens, len(prompt_token_ids), "max_tokens",
                                                               "prompt")))
-            echo_texts.append(prompt if isinstance(prompt, str) else self.decode_prompt(prompt_token_ids))
+            echo_texts.append(prompt if isinstance(prompt, str) and prompt_token_ids is whole
+                              else self.decode_prompt(prompt_token_ids))
         return await self.generate(http_request, "completion", body, prompts, echo_texts if body.echo else None)
+
+    def tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token ids: each word as it would start the text and, where that is a different token
+        sequence of the same length, as it would follow a space (so the word is banned mid-text too)."""
+        if words and self.tokenizer is None:
+            raise APIError(400, "bad_words needs the model's tokenizer; this model has token ids only",
+                           param="bad_words")
+        sequences = []
+        for word in words:
+            if not word.strip():
+                raise APIError(400, "bad_words must not hold an empty word", param="bad_words")
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(alone)
+            if spaced != alone and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
 
     def decode_prompt(self, token_ids: list[int]) -> str:
         """A token-id prompt's text, for echo (the ids themselves without a tokenizer, as vLLM's `token_id:<id>`)."""
@@ -199,10 +220,26 @@ class OpenAIServer:
 
     async def chat_completions(self, http_request: HTTPRequest) -> Response:
         body: ChatCompletionRequest = await self.parse(http_request, ChatCompletionRequest)
-        prompt_token_ids = self.tokenize_chat(body)
+        prompt_token_ids = body.truncated(self.tokenize_chat(body.messages))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.requested_max_tokens, len(prompt_token_ids), param, "messages")
         return await self.generate(http_request, "chat", body, [(prompt_token_ids, max_tokens)])
+
+    async def tokenize(self, http_request: HTTPRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the token ids the completions or chat endpoint would run for this prompt."""
+        body: TokenizeRequest = await self.parse(http_request, TokenizeRequest)
+        body.only_one()
+        token_ids = self.tokenize_prompt(body.prompt) if body.prompt is not None else self.tokenize_chat(body.messages)
+        strs = [protocol.token_text(self.tokenizer, t) for t in token_ids] if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.client.max_model_len, "tokens": token_ids,
+                "token_strs": strs}
+
+    async def detokenize(self, http_request: HTTPRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids to text."""
+        body: DetokenizeRequest = await self.parse(http_request, DetokenizeRequest)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        return {"prompt": self.decode_prompt(self.tokenize_prompt(body.tokens, param="tokens"))}
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "lab",
@@ -239,6 +276,8 @@ def create_app(server: OpenAIServer) -> FastAPI:
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
 
     @app.get("/health")
     async def health() -> Response:

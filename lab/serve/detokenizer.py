@@ -19,10 +19,14 @@ class IncrementalDetokenizer:
     leading space); decoding `context + new` and keeping what follows `decode(context)` avoids that.
     """
 
-    def __init__(self, tokenizer: Any | None, stop: list[str] | None = None, is_streaming: bool = False) -> None:
+    def __init__(self, tokenizer: Any | None, stop: list[str] | None = None, is_streaming: bool = False,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
         self.is_streaming = is_streaming
+        # NOTE: vLLM's: keep the stop string, or the EOS / stop token's text, that ended the output
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.read_offset = 0       # tokens already turned into text
         self.text = ""             # all text so far (cut at a stop string once one matched)
@@ -30,7 +34,7 @@ class IncrementalDetokenizer:
         self.is_stopped = False    # a stop string matched
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, is_final: bool) -> str:
         if self.tokenizer is None or self.read_offset == len(self.token_ids):
@@ -43,10 +47,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         return full[len(prefix):] if full.startswith(prefix) else full
 
-    def add(self, new_token_ids: list[int], is_final: bool = False) -> str:
-        """Append tokens; returns the text now safe to send (empty while bytes or a stop string are pending)."""
+    def add(self, new_token_ids: list[int], is_final: bool = False, stop_token_ended: bool = False) -> str:
+        """Append tokens; returns the text now safe to send (empty while bytes or a stop string are pending).
+        stop_token_ended: the last token is the EOS or stop token that ended the request (its text is left out)."""
         if self.is_stopped:
             return ""
+        if stop_token_ended and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
         previous_len = len(self.text)
         self.text += self._decode_new(is_final)
@@ -65,5 +72,9 @@ class IncrementalDetokenizer:
         search_from = max(0, previous_len - longest + 1)
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]   # vLLM's default: the stop string is not part of the output
+            # NOTE: vLLM's default: the stop string is not part of the output (include_stop_str_in_output keeps it)
+            end = min(hits)
+            if self.include_stop_str_in_output:
+                end += next(len(s) for s in self.stop if self.text.startswith(s, end))
+            self.text = self.text[:end]
             self.is_stopped = True

@@ -40,6 +40,9 @@ class APIError(Exception):
 UNSUPPORTED_UNLESS_OFF: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "suffix": (None, ""),
+    # NOTE: vLLM's extensions not built here: beam search (and its length penalty), spacing of special tokens
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "spaces_between_special_tokens": (None, True),
+    "guided_whitespace_pattern": (None,),
 }
 
 
@@ -72,6 +75,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None                   # vLLM's extension
     n: int = 1
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -91,8 +95,14 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    allowed_token_ids: list[int] | None = None   # vLLM's extensions: only these tokens; never these words
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False     # vLLM's: keep the stop string (or the EOS / stop token's text)
+    skip_special_tokens: bool = True             # vLLM's: leave special tokens out of the text
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)   # vLLM's: keep only the prompt's last k tokens
 
-    @field_validator("n", "ignore_eos", "stream", "echo", mode="before", check_fields=False)
+    @field_validator("n", "ignore_eos", "stream", "echo", "include_stop_str_in_output", "skip_special_tokens",
+                     mode="before", check_fields=False)
     @classmethod
     def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
         return cls.model_fields[info.field_name].default if value is None else value
@@ -149,8 +159,16 @@ class SamplingFields(BaseModel):
         except (LabError, TypeError) as exc:
             raise APIError(400, f"{param}: {exc.problem if isinstance(exc, LabError) else exc}", param=param) from None
 
-    def sampling_params(self, max_tokens: int, sample_index: int = 0) -> SamplingParams:
-        """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i."""
+    def truncated(self, prompt_token_ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens k: the prompt's last k tokens."""
+        if self.truncate_prompt_tokens is None:
+            return prompt_token_ids
+        return prompt_token_ids[-self.truncate_prompt_tokens:]
+
+    def sampling_params(self, max_tokens: int, sample_index: int = 0,
+                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+        """The parameters of one of the `n` samples; as in vLLM, sample i of a seeded request uses seed + i.
+        bad_words_token_ids: `bad_words` tokenized (the caller has the tokenizer)."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         try:
@@ -164,14 +182,15 @@ class SamplingFields(BaseModel):
                 # NOTE: OpenAI's default temperature is 1.0 (sampling); send 0 for greedy.
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_k=self.top_k if self.top_k is not None and self.top_k > 0 else 0,
-                top_p=1.0 if self.top_p is None else self.top_p,
+                top_p=1.0 if self.top_p is None else self.top_p, min_p=self.min_p or 0.0,
                 seed=None if self.seed is None else self.seed + sample_index,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=logit_bias or None, min_tokens=self.min_tokens or 0,
-                structured_outputs=self.structured_outputs_params())
+                structured_outputs=self.structured_outputs_params(), allowed_token_ids=self.allowed_token_ids,
+                bad_words_token_ids=bad_words_token_ids or None)
         except LabError as exc:
             raise APIError(400, exc.problem, param=exc.problem.split(" ", 1)[0]) from None
 
@@ -264,6 +283,28 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (tokenized as /v1/completions does) or messages (as /v1/chat/completions does)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    return_token_strs: bool = False
+
+    def only_one(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- responses -----------------------------------------------------------------------------------

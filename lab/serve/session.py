@@ -91,7 +91,8 @@ class Session:
         if output.new_token_ids and not self.detokenizer.is_stopped:
             self.token_times.extend([now] * len(output.new_token_ids))
             self.logprobs.extend(output.new_logprobs or [])
-        text = self.detokenizer.add(output.new_token_ids, is_final=output.is_finished)
+        text = self.detokenizer.add(output.new_token_ids, is_final=output.is_finished,
+                                    stop_token_ended=output.is_finished and output.finish_reason == "stop")
         if output.is_finished:
             self.finish_reason, self.error, self.is_invalid = output.finish_reason, output.error, output.is_invalid
             if self.detokenizer.is_stopped and self.finish_reason == "length":

@@ -18,6 +18,7 @@ class SamplingDefaults:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None   # each output token's logprob and the k most likely, into requests.jsonl
@@ -31,8 +32,8 @@ class SamplingDefaults:
 
     def params(self, max_tokens: int, ignore_eos: bool) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=ignore_eos, logprobs=self.logprobs,
+                              top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                              stop_token_ids=list(self.stop_token_ids), ignore_eos=ignore_eos, logprobs=self.logprobs,
                               prompt_logprobs=self.prompt_logprobs, repetition_penalty=self.repetition_penalty,
                               frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                               min_tokens=min(self.min_tokens, max_tokens),
