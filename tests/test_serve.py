@@ -384,6 +384,69 @@ def test_tokenize_and_detokenize(served: Served, tiny_text_runner: ModelRunner) 
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_a_named_or_required_tool_choice_returns_tool_calls(client: openai.OpenAI) -> None:
+    """tool_choice naming a function: the output is its arguments, matching its parameters schema (finish "stop",
+    OpenAI's); "required": one or more calls to the listed tools (finish "tool_calls"); streamed, the calls come
+    whole in one delta, and the openai client reads them either way."""
+    messages = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], temperature=0, max_tokens=60)
+        if stream:
+            chunks = list(client.chat.completions.create(**kwargs, tool_choice=named, stream=True))
+            calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**kwargs, tool_choice=named).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+            assert choice.message.content is None
+        assert finish == "stop" and len(calls) == 1 and calls[0].function.name == "get_weather", (stream, calls)
+        arguments = json.loads(calls[0].function.arguments)
+        assert arguments["city"] in ("Paris", "Oslo") and 1 <= arguments["days"] <= 7
+        assert calls[0].id.startswith("chatcmpl-tool-")
+    required = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], temperature=0,
+                                              max_tokens=120, tool_choice="required").choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.tool_calls
+    for call in required.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and isinstance(json.loads(call.function.arguments),
+                                                                                dict)
+    # NOTE: the conversation goes on with the call and its result, as OpenAI's clients send them
+    call = required.message.tool_calls[0]
+    answer = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]).choices[0]
+    assert answer.message.content and answer.message.tool_calls is None
+    plain = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           temperature=0, max_tokens=4).choices[0]
+    assert plain.message.tool_calls is None and plain.message.content is not None
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER]}, "tool_choice"),   # NOTE: OpenAI's default with tools is "auto"
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_tool_choices_that_cannot_be_served_are_400s(served: Served, extra: dict[str, Any], param: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    response = httpx.post(served.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    completions = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "tools": [WEATHER]})
+    assert completions.status_code == 400 and completions.json()["error"]["param"] == "tools"
+
+
 def test_an_engine_without_logprobs_refuses_them_by_name(tiny_text_runner: ModelRunner) -> None:
     served = Served(tiny_text_runner, engine=StaticBatchEngine(tiny_text_runner, batch_size=2))
     with served.thread:

@@ -70,7 +70,7 @@ class OpenAIServer:
             raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
         if not isinstance(payload, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
-        refuse_unsupported(payload)
+        refuse_unsupported(payload, schema)
         try:
             body = schema.model_validate(payload)
         except ValidationError as exc:
@@ -91,12 +91,13 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         return encode_record({"prompt": prompt}, self.tokenizer)
 
-    def tokenize_chat(self, chat_messages: list[ChatMessage]) -> list[int]:
+    def tokenize_chat(self, chat_messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation through the chat template (which sees the tools, as vLLM's does; SmolLM2's ignores them)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in chat_messages]
         try:
-            return encode_record({"messages": messages}, self.tokenizer)
+            return encode_record({"messages": messages}, self.tokenizer, tools)
         except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (roles, order)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
@@ -170,7 +171,8 @@ class OpenAIServer:
                                                          body.include_stop_str_in_output, body.skip_special_tokens),
                                   body.include_usage, self.release,
                                   echo_text=None if echo_texts is None else echo_texts[choices[index][0]],
-                                  show_prompt_logprobs=body.prompt_logprobs is not None)
+                                  show_prompt_logprobs=body.prompt_logprobs is not None,
+                                  tool_choice=body.tool_call_choice())
                  for index, request in enumerate(requests)]
         for session in group:
             self.sessions[session.request.request_id] = session
@@ -220,7 +222,7 @@ class OpenAIServer:
 
     async def chat_completions(self, http_request: HTTPRequest) -> Response:
         body: ChatCompletionRequest = await self.parse(http_request, ChatCompletionRequest)
-        prompt_token_ids = body.truncated(self.tokenize_chat(body.messages))
+        prompt_token_ids = body.truncated(self.tokenize_chat(body.messages, body.tools))
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.requested_max_tokens, len(prompt_token_ids), param, "messages")
         return await self.generate(http_request, "chat", body, [(prompt_token_ids, max_tokens)])

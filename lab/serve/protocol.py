@@ -17,22 +17,12 @@ from lab.errors import LabError
 from lab.request import MAX_LOGPROBS, SamplingParams
 from lab.sample.logprobs import TokenLogprobs
 from lab.sample.structured import StructuredOutputsParams
+from lab.serve.errors import APIError
+from lab.serve.tools import ToolChoice, tool_choice_constraint
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
 MAX_N = 128          # OpenAI's limit on `n`
 MAX_CHOICES = 1024   # prompts x n of one request: each choice is an engine request (and counts towards the queue)
-
-
-class APIError(Exception):
-    """An error the client caused (4xx) or an unavailable server (5xx), rendered as OpenAI's error body."""
-
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # NOTE: OpenAI options this server does not implement, each with the values that leave it off; any other value is
@@ -51,11 +41,13 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def refuse_unsupported(payload: dict[str, Any]) -> None:
-    """400 for an option this server does not implement set to anything but its off value."""
+def refuse_unsupported(payload: dict[str, Any], schema: type[BaseModel]) -> None:
+    """400 for an option this server does not implement (on this endpoint: `schema` lists what it does) set to
+    anything but its off value."""
     for name, off in UNSUPPORTED_UNLESS_OFF.items():
-        if name in payload and not any(payload[name] == value and type(payload[name]) is type(value)
-                                       for value in off):
+        if name in schema.model_fields or name not in payload:
+            continue
+        if not any(payload[name] == value and type(payload[name]) is type(value) for value in off):
             raise APIError(400, f"{name}={payload[name]!r} is not supported by this server; leave it unset",
                            param=name, code="unsupported_value")
 
@@ -134,9 +126,16 @@ class SamplingFields(BaseModel):
         """How many top logprobs each prompt token reports (None: none)."""
         return self.prompt_logprobs
 
+    def tool_call_choice(self) -> ToolChoice | None:
+        """The function call the output must be (chat's tools and tool_choice); None: text."""
+        return None
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint the request sets, by whichever of its spellings (None: free text)."""
         given: dict[str, dict[str, Any]] = {}
+        if (tool_choice := self.tool_call_choice()) is not None:
+            # NOTE: compact JSON: the arguments are re-serialised anyway, and a small model can run away in whitespace
+            given["tool_choice"] = {"json": tool_choice.schema, "disable_any_whitespace": True}
         if self.response_format is not None:
             if (spec := response_format_constraint(self.response_format)) is not None:
                 given["response_format"] = spec
@@ -273,6 +272,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None              # OpenAI's function tools (lab/serve/tools.py)
+    tool_choice: str | dict[str, Any] | None = None        # "none", "auto", "required" or a named function
+
+    def tool_call_choice(self) -> ToolChoice | None:
+        return tool_choice_constraint(self.tools, self.tool_choice)
 
     @property
     def num_logprobs(self) -> int | None:
@@ -364,12 +368,16 @@ def vllm_prompt_logprobs(token_ids: list[int], entries: list[TokenLogprobs | Non
 
 
 def choice_body(kind: Endpoint, index: int, text: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One choice of a non-streaming response (logprobs: logprobs_body's, for a request that asked)."""
+                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None
+                ) -> dict[str, Any]:
+    """One choice of a non-streaming response (logprobs: logprobs_body's, for a request that asked; tool_calls: the
+    text as function calls, OpenAI's message then has no content)."""
     if kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": None if tool_calls else text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_body(kind: Endpoint, request_id: str, model: str, choices: list[dict[str, Any]],
@@ -381,9 +389,10 @@ def completion_body(kind: Endpoint, request_id: str, model: str, choices: list[d
 
 
 def chunk_body(kind: Endpoint, request_id: str, model: str, text: str | None, finish_reason: str | None,
-               role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               role: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index` (with the logprobs of the tokens it brings, for a request that asked);
-    a chat stream's first chunk of each choice also carries the role."""
+    a chat stream's first chunk of each choice also carries the role; tool_calls: whole calls, each with its index."""
     if kind == "completion":
         choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": logprobs,
                                   "finish_reason": finish_reason}
@@ -392,6 +401,8 @@ def chunk_body(kind: Endpoint, request_id: str, model: str, text: str | None, fi
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}

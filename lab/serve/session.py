@@ -23,10 +23,11 @@ from starlette.types import Receive, Scope, Send
 
 from lab.request import Request
 from lab.sample.logprobs import TokenLogprobs
-from lab.serve import protocol
+from lab.serve import protocol, tools
 from lab.serve.detokenizer import IncrementalDetokenizer
 from lab.serve.engine_loop import EngineClient, RequestOutput
 from lab.serve.protocol import APIError, Endpoint
+from lab.serve.tools import ToolChoice
 
 
 async def wait_for_disconnect(http_request: HTTPRequest) -> None:
@@ -52,6 +53,8 @@ class Session:
     on_close: Callable[["Session"], None]           # metrics and the outstanding count; called once
     echo_text: str | None = None        # completions' echo: the prompt, sent before the generated text
     show_prompt_logprobs: bool = False  # the request set prompt_logprobs: vLLM's `prompt_logprobs` field
+    tool_choice: ToolChoice | None = None   # chat's forced function call: the text is its arguments (or calls)
+    tool_calls: list[dict[str, Any]] | None = None   # the text as OpenAI's tool_calls, once it ended as one
     sink: "asyncio.Queue[RequestOutput]" = field(default_factory=asyncio.Queue)
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # of the tokens counted (token_times), if asked
@@ -95,6 +98,8 @@ class Session:
                                     stop_token_ended=output.is_finished and output.finish_reason == "stop")
         if output.is_finished:
             self.finish_reason, self.error, self.is_invalid = output.finish_reason, output.error, output.is_invalid
+            if self.tool_choice is not None and self.finish_reason == "stop":
+                self.tool_calls = tools.tool_calls(self.tool_choice, self.detokenizer.text)
             if self.detokenizer.is_stopped and self.finish_reason == "length":
                 self.finish_reason = "stop"   # NOTE: vLLM's: the stop string matched in the step that hit max_tokens
         elif self.detokenizer.is_stopped:
@@ -169,6 +174,8 @@ class Session:
         return body
 
     def public_finish_reason(self) -> str | None:
+        if self.tool_calls:
+            return self.tool_choice.finish_reason
         return "stop" if self.finish_reason == "stop_string" else self.finish_reason
 
 
@@ -191,8 +198,8 @@ async def collect(group: list[Session], http_request: HTTPRequest) -> dict[str, 
             return None
         for session in group:
             session.raise_if_failed()
-        choices = [{**protocol.choice_body(s.kind, s.index, s.text, s.public_finish_reason(), s.all_logprobs()),
-                    **s.prompt_logprobs_field()} for s in group]
+        choices = [{**protocol.choice_body(s.kind, s.index, s.text, s.public_finish_reason(), s.all_logprobs(),
+                                           s.tool_calls), **s.prompt_logprobs_field()} for s in group]
         first = group[0]
         return protocol.completion_body(first.kind, first.response_id, first.model, choices,
                                         group_prompt_tokens(group), sum(s.num_output_tokens for s in group))
@@ -249,11 +256,15 @@ async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator
             chunk["choices"][0].update(session.prompt_logprobs_field())
             yield chunk
             is_first = False
+        if session.tool_choice is not None:
+            # NOTE: a function call is sent whole when it ends (OpenAI's clients join argument deltas, so one delta
+            # is a valid stream); output that did not end as a call (cut at max_tokens) is sent as text then
+            text = "" if finish is None else ("" if session.tool_calls else session.detokenizer.text)
         if text or finish is not None or (is_first and kind == "chat"):
             chunk = protocol.chunk_body(kind, session.response_id, session.model,
                                         text if text or kind == "completion" else "", finish,
                                         role=is_first and kind == "chat", index=session.index,
-                                        logprobs=session.new_logprobs())
+                                        logprobs=session.new_logprobs(), tool_calls=session.tool_calls)
             if is_first:
                 chunk["choices"][0].update(session.prompt_logprobs_field())
             yield chunk

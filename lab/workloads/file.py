@@ -13,9 +13,10 @@ from lab.request import Request
 from lab.workloads.base import SamplingDefaults
 
 
-def encode_record(record: dict[str, Any], tokenizer: Any) -> list[int]:
+def encode_record(record: dict[str, Any], tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A prompt (plain text) or a conversation (through the chat template, with `tools` if given) as token ids."""
     if "messages" in record:
-        ids = tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(record["messages"], tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
