@@ -24,6 +24,7 @@ from lab.sample.structured import GrammarCompiler, StructuredOutputsParams
 from lab.sched import SchedulerConfig
 from lab.spec.draft_model import DraftModelProposerConfig
 from lab.spec.eagle import EagleProposerConfig
+from lab.spec.ngram_config import NgramProposerConfig
 from lab.spec.proposer import Draft
 from lab.spec.tree import row_prefixes
 from lab.workloads.base import SamplingDefaults
@@ -132,6 +133,36 @@ def test_every_engine_follows_the_constraints_with_the_same_greedy_tokens(tiny_t
         assert {r.request_id: r.output_token_ids for r in done} == answers, engine.name
     stats = scripted.stats()
     assert 0 < stats["spec_decode_accepted_tokens"] < stats["spec_decode_draft_tokens"]
+
+
+def test_the_tokens_a_grammar_forces_are_drafted_and_accepted(tiny_text_runner: ModelRunner) -> None:
+    """engine.grammar_drafts: a JSON key the schema forces is drafted whole and verified in one step; the output
+    stays the plain engine's, greedy or sampled."""
+    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"enum": [1, 2]},
+                                               "another_long_property_name": {"type": "boolean"}},
+              "required": ["a_rather_long_property_name", "another_long_property_name"], "additionalProperties": False}
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    prompt = tiny_text_runner.tokenizer.encode("JSON please:")
+
+    def run(engine, **params) -> list[int]:
+        params = {"max_tokens": 40, "structured_outputs": constraint, **params}
+        return engine.run([Request("j", prompt, SamplingParams(**params))]).requests[0].output_token_ids
+
+    for params in ({}, {"temperature": 1.0, "seed": 5}):
+        expected = run(AREngine(tiny_text_runner), **params)
+        assert json.loads(tiny_text_runner.tokenizer.decode(expected, skip_special_tokens=True))
+        # NOTE: n-gram lookup finds nothing in this prompt: every draft is one the grammar forced
+        forced = speculative(tiny_text_runner, NgramProposerConfig(min_n=3, max_n=3))
+        plain = speculative(tiny_text_runner, NgramProposerConfig(min_n=3, max_n=3))
+        plain.grammar_drafts = False
+        if not params:
+            assert run(forced, **params) == expected and run(plain, **params) == expected
+        else:   # NOTE: verifying draws its random numbers in another order than sampling does
+            run(forced, **params)
+        stats = forced.stats()
+        assert stats["spec/grammar_forced_drafts"] > 0 and stats["spec/grammar_forced_draft_tokens"] >= 8
+        assert stats["spec_decode_accepted_tokens"] >= stats["spec/grammar_forced_draft_tokens"] - 2
+    assert plain.stats()["spec/grammar_forced_drafts"] == 0
 
 
 def test_sampled_outputs_follow_the_constraints_and_a_seed_repeats_them(tiny_text_runner: ModelRunner) -> None:

@@ -8,7 +8,8 @@ accepted path's keys and features are moved to where a chain's would be.
 Overrides one hook of ContinuousBatchingEngine (`select_tokens`: verify instead of sample) and appends a
 draft phase to `step`. `num_spec_tokens=0` is the plain engine. How many tokens a step drafts can follow the
 batch size (`num_spec_tokens_by_batch_size`, vLLM's `disable_by_batch_size`: lab/spec/schedule.py). Metrics
-follow vLLM's spec-decode names.
+follow vLLM's spec-decode names. Logits processors and structured outputs apply to every verify row with the drafts
+before it counted; under a grammar, the tokens it forces are drafted (`grammar_drafts`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
                  disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
-                 speedup_baseline: str = "engine") -> None:
+                 speedup_baseline: str = "engine", grammar_drafts: bool = True) -> None:
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
         # (lab/spec/features.py), so a cached prompt block brings its features along. The KV memory budget pays
@@ -66,6 +67,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             raise LabError(f"speedup_baseline must be one of {sorted(SPEEDUP_BASELINES)}, got {speedup_baseline!r}",
                            "use 'engine' (this engine, speculation off) or 'ar' (the batch-1 AR engine)")
         self.speedup_baseline = speedup_baseline
+        self.grammar_drafts = grammar_drafts   # a structured output's forced tokens are drafted (_with_forced_tokens)
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
@@ -118,6 +120,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.num_target_forwards = self.num_emitted_tokens = 0
         self.num_steps_not_drafted = 0   # steps whose batch size the schedule drafts nothing for
         self.num_tree_off_chain = 0      # tree verifications that accepted a runner-up, not the chain
+        self.num_forced_drafts = self.num_forced_draft_tokens = 0   # drafts a grammar forced
         self.accepted_per_position = [0] * self.num_spec_tokens
         self.acceptance_histogram = [0] * (self.num_spec_tokens + 1)
 
@@ -225,12 +228,26 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         with self.phases.phase("draft", num_tokens=len(ready) * num_spec_tokens):
             drafts = self.proposer.propose(ready, num_spec_tokens, [self.generator_for(r) for r in ready])
         for request, room in zip(ready, rooms):
-            draft = drafts.get(request.request_id)
+            draft, is_forced = drafts.get(request.request_id), False
+            if self.grammar_drafts and request.grammar is not None:
+                draft, is_forced = self._with_forced_tokens(request, draft)
             if draft is not None and draft.token_ids:
                 draft.fit(min(num_spec_tokens, room), room)
+                self.num_forced_drafts += is_forced
+                self.num_forced_draft_tokens += len(draft.token_ids) if is_forced else 0
                 request.spec_token_ids = list(draft.token_ids)
                 request.spec_parents = None if draft.parents is None else list(draft.parents)
                 self._drafts[request.request_id] = draft
+
+    def _with_forced_tokens(self, request: Request, draft: Draft | None) -> tuple[Draft | None, bool]:
+        """Under a structured output, the tokens its grammar forces next are drafts the verify accepts unless the
+        target spells the same text with other tokens (SGLang's jump-forward decoding, kept lossless by verifying
+        it): they replace a draft that disagrees with them; a chain that starts with them and goes on is kept.
+        -> (the draft, whether the grammar made it)."""
+        forced = request.grammar.forced_tokens(request.output_token_ids)
+        if not forced or (draft is not None and draft.parents is None and draft.token_ids[:len(forced)] == forced):
+            return draft, False
+        return Draft(forced), True
 
     def abort_request(self, request_id: str, error: str = "aborted") -> Request | None:
         self.proposer.free(request_id)
@@ -250,6 +267,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  "spec/num_spec_tokens": self.num_spec_tokens,
                  "spec/num_steps_not_drafted": self.num_steps_not_drafted,
                  "spec/tree_off_chain_accepts": self.num_tree_off_chain,
+                 "spec/grammar_forced_drafts": self.num_forced_drafts,
+                 "spec/grammar_forced_draft_tokens": self.num_forced_draft_tokens,
                  "spec/draft_s": self.phases.seconds.get("draft", 0.0), "spec/verify_s": verify_s,
                  "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
         for num_accepted, count in enumerate(self.acceptance_histogram):

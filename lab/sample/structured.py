@@ -115,6 +115,12 @@ class RequestGrammar:
                 self.matcher.rollback(num)
         return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
 
+    def forced_tokens(self, output_token_ids: list[int]) -> list[int]:
+        """After the request's output: the tokens the grammar leaves no choice about next (llguidance's fast-forward
+        tokens: a JSON key after its opening quote, say); empty once the grammar is complete."""
+        self.catch_up(output_token_ids)
+        return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
