@@ -367,6 +367,19 @@ def test_vllm_sampling_extensions_reach_the_engine_and_the_text(served: Served, 
     assert special == tokenizer.decode([eos])
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(served: Served) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _sse_chunks(httpx.post(served.url + "/v1/completions", json=body))
+    counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(c["usage"]["prompt_tokens"] == len(PROMPT)
+                                                                for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    plain = _sse_chunks(httpx.post(served.url + "/v1/completions",
+                                   json={**body, "stream_options": {"include_usage": True}}))
+    assert all("usage" not in c for c in plain[:-1])
+
+
 def test_tokenize_and_detokenize(served: Served, tiny_text_runner: ModelRunner) -> None:
     tokenizer = tiny_text_runner.tokenizer
     out = httpx.post(served.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world",

@@ -172,7 +172,7 @@ class OpenAIServer:
                                   body.include_usage, self.release,
                                   echo_text=None if echo_texts is None else echo_texts[choices[index][0]],
                                   show_prompt_logprobs=body.prompt_logprobs is not None,
-                                  tool_choice=body.tool_call_choice())
+                                  tool_choice=body.tool_call_choice(), continuous_usage=body.continuous_usage)
                  for index, request in enumerate(requests)]
         for session in group:
             self.sessions[session.request.request_id] = session

@@ -55,6 +55,7 @@ def refuse_unsupported(payload: dict[str, Any], schema: type[BaseModel]) -> None
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, every chunk also carries its choice's usage
 
 
 class SamplingFields(BaseModel):
@@ -108,6 +109,10 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @field_validator("n")
     @classmethod

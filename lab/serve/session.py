@@ -55,6 +55,7 @@ class Session:
     show_prompt_logprobs: bool = False  # the request set prompt_logprobs: vLLM's `prompt_logprobs` field
     tool_choice: ToolChoice | None = None   # chat's forced function call: the text is its arguments (or calls)
     tool_calls: list[dict[str, Any]] | None = None   # the text as OpenAI's tool_calls, once it ended as one
+    continuous_usage: bool = False      # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     sink: "asyncio.Queue[RequestOutput]" = field(default_factory=asyncio.Queue)
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # of the tokens counted (token_times), if asked
@@ -173,6 +174,13 @@ class Session:
             self.num_sent_logprob_chars += sum(len(token) for token in body["tokens"])
         return body
 
+    def with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of this choice, with its usage so far when the request asked for it in every chunk (vLLM's
+        continuous_usage_stats: the prompt's tokens and this choice's tokens up to this chunk)."""
+        if self.continuous_usage:
+            chunk["usage"] = protocol.usage(self.request.num_prompt_tokens, self.num_output_tokens)
+        return chunk
+
     def public_finish_reason(self) -> str | None:
         if self.tool_calls:
             return self.tool_choice.finish_reason
@@ -254,7 +262,7 @@ async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator
             chunk = protocol.chunk_body(kind, session.response_id, session.model, session.echo_text, None,
                                         index=session.index, logprobs=session.echo_logprobs())
             chunk["choices"][0].update(session.prompt_logprobs_field())
-            yield chunk
+            yield session.with_usage(chunk)
             is_first = False
         if session.tool_choice is not None:
             # NOTE: a function call is sent whole when it ends (OpenAI's clients join argument deltas, so one delta
@@ -267,7 +275,7 @@ async def choice_chunks(session: Session, first: RequestOutput) -> AsyncIterator
                                         logprobs=session.new_logprobs(), tool_calls=session.tool_calls)
             if is_first:
                 chunk["choices"][0].update(session.prompt_logprobs_field())
-            yield chunk
+            yield session.with_usage(chunk)
             is_first = False
         output = None if finish is not None else await session.sink.get()
     session.close()
