@@ -18,8 +18,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance.hf
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from lab.errors import LabError
 
@@ -64,8 +66,6 @@ class StructuredOutputsParams:
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar (not yet checked: compiling it against a tokenizer does)."""
-        from llguidance import LLMatcher
-
         options = {"whitespace_flexible": not self.disable_any_whitespace}
         if self.json is not None:
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
@@ -84,8 +84,8 @@ class StructuredOutputsParams:
 
 
 class RequestGrammar:
-    """One request's matcher. The engine appends tokens to the request; `mask` first consumes those it has not
-    seen, then (for a verify row) the drafted tokens before that row, and rolls those back afterwards."""
+    """One request's matcher. The engine appends tokens to the request; `catch_up` consumes those the matcher has not
+    seen; `allowed` then consumes (for a verify row) the drafted tokens before that row, and rolls them back."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         self.matcher = matcher
@@ -130,8 +130,6 @@ class GrammarCompiler:
     """Compiles structured-output parameters against one tokenizer (llguidance's view of it is built once, ~1 s)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        import llguidance.hf
-
         if tokenizer is None:
             raise LabError("structured outputs need the model's tokenizer; this model has token ids only",
                            "use a model with a tokenizer (model=smollm2, or model=tiny with its default tokenizer)")
@@ -142,8 +140,6 @@ class GrammarCompiler:
                            "load the model's tokenizer with use_fast=True") from None
 
     def compile(self, params: StructuredOutputsParams) -> RequestGrammar:
-        from llguidance import LLMatcher
-
         matcher = LLMatcher(self.tokenizer, params.llguidance_grammar(), log_level=0)
         if matcher.is_error():
             raise LabError(f"the {params.kind} constraint does not compile: {matcher.get_error()}",
