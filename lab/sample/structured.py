@@ -96,7 +96,7 @@ class RequestGrammar:
         """Consume the request's output tokens not yet consumed (the engine appended them after the last mask). Once
         the grammar is complete, nothing more is consumed: with ignore_eos the request goes on emitting EOS."""
         new = output_token_ids[self.num_consumed:]
-        if self.matcher.is_stopped() and not self.matcher.is_error():
+        if self.is_terminated and not self.matcher.is_error():
             new = []
         if new and not self.matcher.consume_tokens(new):
             raise LabError(f"the output broke its grammar: {self.matcher.get_error()}",
@@ -119,10 +119,11 @@ class RequestGrammar:
         """After the request's output: the tokens the grammar leaves no choice about next (llguidance's fast-forward
         tokens: a JSON key after its opening quote, say); empty once the grammar is complete."""
         self.catch_up(output_token_ids)
-        return [] if self.matcher.is_stopped() else self.matcher.compute_ff_tokens()
+        return [] if self.is_terminated else self.matcher.compute_ff_tokens()
 
     @property
     def is_terminated(self) -> bool:
+        """The grammar is complete (or broken): only EOS may follow."""
         return self.matcher.is_stopped()
 
 
