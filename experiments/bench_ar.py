@@ -4,7 +4,9 @@ same process, interleaved repetitions, plus the machine's memory-bandwidth roofl
 Decode tok/s excludes prefill: (n - 1) / (t_last - t_first) over the per-token timestamps. End-to-end
 tok/s is n / (last token - scheduling), prefill included. The roofline for batch-1 decode is
 bandwidth / weight bytes: every step streams every weight matrix once (a tied embedding is counted
-once, since only its row is gathered but the lm_head reads the whole matrix).
+once, since only its row is gathered but the lm_head reads the whole matrix). `ar` streams SmolLM2's
+projections as their exact GGUF blocks (model.weight_blocks=auto, lab/models/weight_blocks.py), so its
+roofline is the blocks' bytes; `ar-fp32` is the same engine on the fp32 weights (weight_blocks=off).
 
     python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
     python experiments/bench_ar.py --quick         # a short run
@@ -55,7 +57,7 @@ class Samples:
 
 @dataclass(slots=True)
 class DtypeResult:
-    weight_bytes: int                  # bytes one decode step streams (tied embedding once)
+    weight_bytes: dict[str, int]       # engine name -> bytes one decode step streams (tied embedding once)
     samples: dict[str, Samples]        # engine name -> samples
 
 
@@ -134,7 +136,7 @@ def _run_once(engine: Engine, prompt_token_ids: list[int], num_new_tokens: int, 
 
 def row_major_runner(dtype: str) -> ModelRunner:
     """A runner whose projection weights are back in PyTorch's default (out, in) row-major layout."""
-    runner = ModelRunner(smollm2(), dtype=dtype, device="cpu")
+    runner = ModelRunner(smollm2(), dtype=dtype, device="cpu", weight_blocks="off")
     for module in runner.model.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = module.weight.data.contiguous()
@@ -155,6 +157,8 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, runner.vocab_size, (args.prompt_len,), generator=generator).tolist()
     engines: list[Engine | LlamaCppDecoder] = [AREngine(runner), HFEngine(runner, batch_size=1)]
+    if runner.block_linears:     # NOTE: the baseline the blocks are measured against, in the same turns
+        engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", weight_blocks="off"), name="ar-fp32"))
     if args.llama_cpp and dtype == "float32":
         engines.append(LlamaCppDecoder(torch.get_num_threads(), args.prompt_len + args.new_tokens + 8))
     if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
@@ -168,7 +172,9 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     for _ in range(args.reps):
         for engine in engines:
             run_once(engine, prompt, args.new_tokens, results[engine.name])
-    return DtypeResult(runner.weight_bytes, results)
+    streamed = {name: runner.weight_bytes for name in results}
+    streamed["ar"] = runner.streamed_weight_bytes
+    return DtypeResult(streamed, results)
 
 
 def profile_decode(dtype: str, args: argparse.Namespace, native: bool = True, num_steps: int = 16) -> str:
@@ -231,15 +237,18 @@ def render_table(by_dtype: dict[str, DtypeResult], bandwidth_gb_s: float) -> str
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for dtype, result in by_dtype.items():
         results = result.samples
-        roofline = bandwidth_gb_s * 1e9 / result.weight_bytes
         hf_decode = statistics.median(results["hf"].decode_tok_s)
         for name in results:
             s = results[name]
             decode = statistics.median(s.decode_tok_s)
+            roofline = bandwidth_gb_s * 1e9 / result.weight_bytes[name]
             lines.append(f"| {name} | {dtype} | {decode:.1f} | {min(s.decode_tok_s):.1f}-{max(s.decode_tok_s):.1f} "
                          f"| {statistics.median(s.e2e_tok_s):.1f} | {statistics.median(s.ttft_ms):.0f} "
                          f"| {decode / hf_decode:.2f}x | {decode / roofline:.0%} |")
-        lines.append(f"| roofline | {dtype} | {roofline:.1f} | | | | {roofline / hf_decode:.2f}x | 100% |")
+        for size in sorted(set(result.weight_bytes.values())):
+            roofline = bandwidth_gb_s * 1e9 / size
+            lines.append(f"| roofline, {size / 1e6:.0f} MB a step | {dtype} | {roofline:.1f} | | | "
+                         f"| {roofline / hf_decode:.2f}x | 100% |")
     return "\n".join(lines)
 
 
@@ -283,8 +292,13 @@ def main() -> None:
     by_dtype = {dtype: bench_dtype(dtype, args) for dtype in dtypes}
     for dtype, result in by_dtype.items():
         same = result.samples["ar"].output_token_ids == result.samples["hf"].output_token_ids
-        weight_mb = result.weight_bytes / 1e6
-        print(f"{dtype}: weights {weight_mb:.0f} MB read per decode step; ar tokens == hf tokens: {same}")
+        sizes = ", ".join(f"{name} {size / 1e6:.0f} MB" for name, size in result.weight_bytes.items())
+        print(f"{dtype}: weights read per decode step: {sizes}; ar tokens == hf tokens: {same}")
+        if "ar-fp32" in result.samples:
+            ratio = statistics.median(result.samples["ar"].decode_tok_s) / statistics.median(
+                result.samples["ar-fp32"].decode_tok_s)
+            same = result.samples["ar"].output_token_ids == result.samples["ar-fp32"].output_token_ids
+            print(f"{dtype}: GGUF blocks over fp32 weights: {ratio:.2f}x decode tok/s; same tokens: {same}")
         if "llama.cpp" in result.samples:
             ours, theirs = result.samples["ar"].output_token_ids, result.samples["llama.cpp"].output_token_ids
             agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))

@@ -120,7 +120,8 @@ def split_workload(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def build_runner(cfg: DictConfig) -> ModelRunner:
     source = instantiate(cfg.model.source)
-    return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len)
+    return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len,
+                       weight_blocks=cfg.model.get("weight_blocks", "auto"))
 
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:

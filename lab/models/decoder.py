@@ -19,7 +19,7 @@ from lab.kv_cache.block_kv import BlockKVCache
 from lab.kv_cache.contiguous import ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
-from lab.models.packed_linear import NATIVE_MAX_ROWS
+from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, use_block_weights
 from lab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -167,6 +167,12 @@ class DecoderModel(nn.Module):
             fits = not self.config.use_qk_norm and all(
                 t.dtype == torch.float32 and t.is_cpu and (t.dim() < 2 or t.stride(-1) == 1)
                 for tensors in layers for t in tensors)
+            if fits:
+                for tensors, layer in zip(layers, self.layers):     # NOTE: GGUF blocks where the weights are blocks
+                    for slot, linear in ((1, layer.self_attn.qkv_proj), (3, layer.self_attn.o_proj),
+                                         (5, layer.mlp.gate_up_proj), (6, layer.mlp.down_proj)):
+                        blocks = linear.fresh_blocks() if isinstance(linear, PackedLinear) else None
+                        tensors[slot] = tensors[slot] if blocks is None else blocks
             self._fused_layers = layers if fits else []
         return self._fused_layers or None
 
@@ -195,6 +201,14 @@ class DecoderModel(nn.Module):
             if isinstance(module, nn.Linear):
                 module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), strides (1, out)
         self._fused_layers = None
+
+    def use_block_weights(self) -> tuple[int, int]:
+        """Stream every projection whose fp32 weights are exactly GGUF block values as those blocks (few-row
+        calls, the native kernel): bit-identical, a fifth of the bytes (lab/models/weight_blocks.py). Call after
+        pack_linear_weights. Returns (linears streaming blocks, linears)."""
+        counts = use_block_weights(self)
+        self._fused_layers = None
+        return counts
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF parameter names (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""

@@ -235,9 +235,166 @@ static void split_rows(int64_t out, int64_t row_bytes, int64_t max_threads, cons
   at::parallel_for(0, out, grain, rows);
 }
 
-// x (..., in) with M rows in all (M <= 64); w (out, in) with unit stride along `in`; bias (out,) or None
-// -> (..., out).
+// ---- Weights as GGUF blocks (lab/models/weight_blocks.py): the same fp32 values, a fifth of the bytes ----
+// A Q4_1 block (24 bytes) holds 32 weights d * q + m: d, m fp32 (fp16 values), then 16 bytes, byte j = q[j] |
+// q[j + 16] << 4; a Q8_0 block (36 bytes) holds d * q: d fp32 (an fp16 value), then q[0..31] int8. Widened in
+// registers, d * q is exact (an fp16 d times |q| <= 127) and the FMA rounds d * q + m once, as the dequantizer
+// did: each weight is its fp32 expansion's value, bit for bit. The products are then summed in dot_quad's
+// order (one 8-wide accumulator per weight row and input row, 8 columns at a time), so the outputs are
+// bit-identical to the fp32 GEMV's over the expanded weights, for any number of input rows.
+struct Q4_1Block {
+  static constexpr int64_t kBytes = 24;
+  static inline void widen(const uint8_t* b, __m256 w[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const float* dm = reinterpret_cast<const float*>(b);
+    const __m256 d = _mm256_broadcast_ss(dm), m = _mm256_broadcast_ss(dm + 1);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);   // q[0..15], q[16..31]
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  }
+};
+
+struct Q8_0Block {
+  static constexpr int64_t kBytes = 36;
+  static inline void widen(const uint8_t* b, __m256 w[4]) {
+    const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(b));
+    for (int c = 0; c < 4; ++c) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * c));
+      w[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  }
+};
+
+// Four block rows (row b0 + i * quarter_bytes for i < 4) against R input rows, widened in registers once for
+// all R: 4R accumulators + 4 widened vectors fit the 16 registers up to R = 3.
+template <class Block, int R>
+static inline void block_quad(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* __restrict x,
+                              int64_t in, __m128* y) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int i = 0; i < 4; ++i) {
+      __m256 w[4];
+      Block::widen(b0 + i * quarter_bytes + b * Block::kBytes, w);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * in + b * 32;
+        for (int c = 0; c < 4; ++c) acc[r][i] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(xb + 8 * c), acc[r][i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
+template <class Block>
+static inline void widen_row(const uint8_t* b, int64_t nb, float* w) {
+  for (int64_t j = 0; j < nb; ++j) {
+    __m256 v[4];
+    Block::widen(b + j * Block::kBytes, v);
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(w + 32 * j + 8 * c, v[c]);
+  }
+}
+
+// Rows [r0, r1) of Y = X W^T (+ bias) for M input rows, W as blocks (out rows of ld bytes, in = 32 nb columns):
+// gemv_rows' four side-by-side streams. Up to 3 input rows widen each block once in registers; more widen
+// the four rows into an L1 scratch once and run gemv_rows' own quad kernels over it.
+template <class Block>
+static void gemv_block_rows(const uint8_t* __restrict w, int64_t ld, const float* __restrict x, int64_t M,
+                            const float* bias, float* __restrict y, int64_t out, int64_t in, int64_t r0, int64_t r1) {
+  const int64_t nb = in / 32, Q = (r1 - r0) / 4;
+  std::vector<float> scratch(M > 3 ? 4 * in : 0);
+  std::vector<Tail> tails;
+  if (M > 3) {
+    tails.reserve(M);
+    for (int64_t m = 0; m < M; ++m) tails.emplace_back(x + m * in, in);
+  }
+  for (int64_t j = 0; j < Q; ++j) {
+    const int64_t i0 = r0 + j;
+    const uint8_t* b0 = w + i0 * ld;
+    __m128 ys[3];
+    if (M == 1) {
+      block_quad<Block, 1>(b0, Q * ld, nb, x, in, ys);
+      store_quad(y, i0, Q, ys[0]);
+    } else if (M == 2) {
+      block_quad<Block, 2>(b0, Q * ld, nb, x, in, ys);
+      for (int r = 0; r < 2; ++r) store_quad(y + r * out, i0, Q, ys[r]);
+    } else if (M == 3) {
+      block_quad<Block, 3>(b0, Q * ld, nb, x, in, ys);
+      for (int r = 0; r < 3; ++r) store_quad(y + r * out, i0, Q, ys[r]);
+    } else {
+      float* s = scratch.data();
+      for (int i = 0; i < 4; ++i) widen_row<Block>(b0 + i * Q * ld, nb, s + i * in);
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) {
+        __m128 ya, yb, yc;
+        dot_quad3(s, s + in, s + 2 * in, s + 3 * in, x + m * in, x + (m + 1) * in, x + (m + 2) * in, tails[m],
+                  tails[m + 1], tails[m + 2], &ya, &yb, &yc);
+        store_quad(y + m * out, i0, Q, ya);
+        store_quad(y + (m + 1) * out, i0, Q, yb);
+        store_quad(y + (m + 2) * out, i0, Q, yc);
+      }
+      for (; m + 2 <= M; m += 2) {
+        __m128 ya, yb;
+        dot_quad2(s, s + in, s + 2 * in, s + 3 * in, x + m * in, x + (m + 1) * in, tails[m], tails[m + 1], &ya, &yb);
+        store_quad(y + m * out, i0, Q, ya);
+        store_quad(y + (m + 1) * out, i0, Q, yb);
+      }
+      if (m < M) store_quad(y + m * out, i0, Q, dot_quad(s, s + in, s + 2 * in, s + 3 * in, x + m * in, tails[m]));
+    }
+  }
+  if (r0 + 4 * Q < r1) {               // the rows the four streams leave over, one at a time
+    std::vector<float> row(in);
+    for (int64_t r = r0 + 4 * Q; r < r1; ++r) {
+      widen_row<Block>(w + r * ld, nb, row.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const Tail t(x + m * in, in);
+        y[m * out + r] = dot_row(row.data(), x + m * in, in, t);
+      }
+    }
+  }
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = r0; r < r1; ++r) y[m * out + r] += bias[r];
+}
+
+// x (..., in) with M rows (M <= 64); w (out, in / 32 * bytes per block): uint8 = Q4_1 blocks, int8 = Q8_0; bias
+// (out,) fp32 or None -> (..., out), bit-identical to gemv over the weights the blocks expand to.
+at::Tensor gemv_blocks(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  const bool q4 = w.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || w.scalar_type() == at::kChar, "gemv_blocks: W must be uint8 (Q4_1) or int8 (Q8_0) blocks");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gemv_blocks: x must be fp32");
+  const int64_t bytes = q4 ? Q4_1Block::kBytes : Q8_0Block::kBytes;
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) % bytes == 0,
+              "gemv_blocks: W must be contiguous (out, blocks * ", bytes, " bytes)");
+  const int64_t out = w.size(0), in = w.size(1) / bytes * 32, ld = w.size(1);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in && x.numel() >= in, "gemv_blocks: x must have rows of ", in, " values");
+  const int64_t M = x.numel() / in;
+  TORCH_CHECK(M <= 64, "gemv_blocks: at most 64 rows (", M, " given); larger batches belong to a GEMM");
+  at::Tensor xc = x.contiguous();
+  at::Tensor bc;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == out, "gemv_blocks: bias must be fp32 (out,)");
+    bp = bc.data_ptr<float>();
+  }
+  at::Tensor y = gemv_output(x, out);
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  split_rows(out, ld, max_threads, [&](int64_t r0, int64_t r1) {
+    if (q4) gemv_block_rows<Q4_1Block>(wp, ld, xp, M, bp, yp, out, in, r0, r1);
+    else gemv_block_rows<Q8_0Block>(wp, ld, xp, M, bp, yp, out, in, r0, r1);
+  });
+  return y;
+}
+
+// x (..., in) with M rows in all (M <= 64); w (out, in) with unit stride along `in`, or GGUF blocks (gemv_blocks);
+// bias (out,) or None -> (..., out).
 at::Tensor gemv(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  if (w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) return gemv_blocks(x, w, bias, max_threads);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv: fp32 only");
   const GemvShape g = check_gemv("gemv", x, w);
   const int64_t out = g.out, in = g.in, ld = g.ld, M = g.M;
@@ -858,7 +1015,8 @@ def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) holding 1-64 rows, weight (out, in) with unit stride along `in` -> (..., out); each row's
-    result is bit-identical whatever the other rows. Needs the kernel."""
+    result is bit-identical whatever the other rows. `weight` may instead be GGUF blocks (uint8 Q4_1, int8 Q8_0:
+    lab/models/weight_blocks.py), read as the fp32 values they expand to, bit for bit. Needs the kernel."""
     return _KERNEL.gemv(x, weight, bias, THREADS)
 
 

@@ -6,8 +6,9 @@ lab/models/native_gemv.py's kernel on the module's own (out, in) row-major weigh
 built; without it, one row goes to F.linear, i.e. MKL's gemv on the column-major layout ModelRunner then
 sets (DecoderModel.use_column_major_weights). More rows (batched decode, prefill) go to a copy packed once
 for a GEMM: lab/models/native_gemm.py's panels when the kernels are built (`native`, the default), else
-oneDNN's blocked layout (`onednn`; LAB_GEMM=onednn picks it for A/B runs).
-Ignores: what the layers compute; the state dict (the copy is a plain attribute, never saved).
+oneDNN's blocked layout (`onednn`; LAB_GEMM=onednn picks it for A/B runs). Where the weight is exactly GGUF block
+values (the bundled SmolLM2: use_block_weights), the few-row GEMV streams those blocks instead, bit-identically.
+Ignores: what the layers compute; the state dict (the copies are plain attributes, never saved).
 
 NOTE: measured on this CPU (1 thread, SmolLM2-135M's 121 linears in sequence, weights streamed from
 DRAM as in a forward): MKL sgemm reaches 42 / 48 GFLOP/s at 32 / 64 rows, oneDNN on prepacked weights
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.models import native_gemm, native_gemv
+from lab.models import native_gemm, native_gemv, weight_blocks
 
 GemmBackend = Literal["native", "onednn"]
 GEMM_BACKENDS: tuple[GemmBackend, ...] = ("native", "onednn")
@@ -64,6 +65,8 @@ class PackedLinear(nn.Linear):
     _packed_key: tuple[int, int] = (0, -1)   # (data_ptr, version) of the weight the copy was made from
     half_weight: torch.Tensor | None = None  # an fp16 copy for the few-row GEMV (drafters only: use_half_weights)
     _half_key: tuple[int, int] = (0, -1)
+    blocks: torch.Tensor | None = None       # the weight's exact GGUF blocks for the few-row GEMV (use_block_weights)
+    _blocks_key: tuple[int, int] = (0, -1)
 
     def pack(self, backend: GemmBackend | None = None, batch_hint: int = PACK_BATCH_HINT) -> None:
         backend = backend or default_backend()
@@ -80,6 +83,10 @@ class PackedLinear(nn.Linear):
     def _weight_key(self) -> tuple[int, int]:
         return self.weight.data_ptr(), self.weight._version
 
+    def fresh_blocks(self) -> torch.Tensor | None:
+        """`blocks` while they still hold the live weight's values, else None."""
+        return self.blocks if self.blocks is not None and self._blocks_key == self._weight_key() else None
+
     def half_copy_serves(self, x: torch.Tensor) -> bool:
         """Whether input x goes to the fp16 copy: a few rows, a fresh copy, and the native kernel usable."""
         return (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and self.half_weight is not None
@@ -92,6 +99,9 @@ class PackedLinear(nn.Linear):
         # it row-major: a column-major weight (no kernel at load time) stays on MKL.
         weight = self.weight
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
+        blocks = self.fresh_blocks()
+        if few_rows and blocks is not None and native_gemv.usable(x, weight, self.bias):
+            return native_gemv.gemv(x, blocks, self.bias)      # NOTE: bit-identical to the fp32 weight's GEMV
         if self.half_copy_serves(x):
             return native_gemv.gemv_f16(x, self.half_weight, self.bias)
         if (few_rows and weight.stride(-1) == 1
@@ -149,13 +159,35 @@ def use_half_weights(model: nn.Module) -> int:
     return count
 
 
+def use_block_weights(model: nn.Module) -> tuple[int, int]:
+    """Give every PackedLinear of `model` whose fp32 weight is exactly GGUF block values (Q4_1, else Q8_0:
+    lab/models/weight_blocks.py) those blocks, which its few-row calls then stream where the native kernel runs:
+    the same values in 0.75 / 1.125 bytes a weight instead of 4, and bit-identical outputs. Lossless, so for any
+    model; a weight that is not made of blocks keeps its fp32 GEMV. Returns (linears given blocks, linears)."""
+    given = total = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is not PackedLinear:
+                continue
+            total += 1
+            if not module.weight.is_cpu or module.weight.dtype != torch.float32:
+                continue
+            for fmt in weight_blocks.FORMATS:
+                blocks = weight_blocks.find_blocks(module.weight, fmt)
+                if blocks is not None:
+                    module.blocks, module._blocks_key = blocks, module._weight_key()
+                    given += 1
+                    break
+    return given, total
+
+
 def unpack_linear_weights(model: nn.Module) -> int:
     """Undo pack_linear_weights (every linear back to MKL's F.linear); returns how many. For A/B runs."""
     count = 0
     for module in model.modules():
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key"):
+            for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key", "blocks", "_blocks_key"):
                 module.__dict__.pop(name, None)
             count += 1
     return count

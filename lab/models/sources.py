@@ -159,8 +159,10 @@ def tiny(seed: int = 0, hidden_size: int = 64, intermediate_size: int = 128, num
          num_attention_heads: int = 4, num_key_value_heads: int = 2, vocab_size: int | None = None,
          max_position_embeddings: int = 2048, rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
          model_type: str = "llama", initializer_range: float = 0.2, with_tokenizer: bool = True,
-         cache_dir: str | None = None) -> ModelSource:
+         cache_dir: str | None = None, gguf_blocks: bool = False) -> ModelSource:
     """A random-init decoder (fixed seed, no download) with the SmolLM2 tokenizer, or token ids only.
+    `gguf_blocks`: its projections rounded to Q4_1 and its embeddings and head to Q8_0 values, as llama.cpp
+    quantizes SmolLM2's GGUF, so ModelRunner streams them as blocks (lab/models/weight_blocks.py).
 
     NOTE: initializer_range is 10x HF's default so logits are well separated and greedy decoding has
     no near-ties that fp32 reduction order could flip between two correct implementations.
@@ -182,6 +184,13 @@ def tiny(seed: int = 0, hidden_size: int = 64, intermediate_size: int = 128, num
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if gguf_blocks:
+        from lab.models.weight_blocks import round_to_q4_1, round_to_q8_0
+
+        for name, value in state_dict.items():
+            if value.dim() == 2:
+                state_dict[name] = (round_to_q8_0 if "embed" in name or "lm_head" in name else round_to_q4_1)(value)
     if tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
-    return ModelSource(f"tiny-{model_type}-seed{seed}", config, state_dict, tokenizer)
+    name = f"tiny-{model_type}-seed{seed}" + ("-gguf-blocks" if gguf_blocks else "")
+    return ModelSource(name, config, state_dict, tokenizer)

@@ -5,17 +5,25 @@ Owns: nn.Module, KV-cache allocation, turning token ids + positions into logits.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Literal
 
 import torch
 
+from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
-from lab.models.packed_linear import can_pack, pack_linear_weights
+from lab.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import ModelSource
 from lab.runner.device import resolve_device, resolve_dtype
+
+
+log = logging.getLogger(__name__)
+
+WeightBlocks = Literal["auto", "off"]
+WEIGHT_BLOCKS: tuple[WeightBlocks, ...] = ("auto", "off")
 
 
 def _as_id_set(value: Any) -> set[int]:
@@ -26,7 +34,13 @@ def _as_id_set(value: Any) -> set[int]:
 
 class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto") -> None:
+        """`weight_blocks`: "auto" streams every projection whose fp32 weights are exactly GGUF block values (the
+        bundled SmolLM2's are: it is a Q4_1 GGUF) as those blocks in few-row forwards, bit-identically
+        (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs)."""
+        if weight_blocks not in WEIGHT_BLOCKS:
+            raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
+                           "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
         self.source = source
         self.model_id = source.model_id
         self.device = resolve_device(device)
@@ -44,6 +58,13 @@ class ModelRunner:
         if can_pack(self.device, self.dtype):
             # NOTE: batched forwards (2+ rows) run oneDNN on a prepacked copy, ~1.3x MKL's sgemm at 32-64 rows.
             pack_linear_weights(self.model)
+        self.block_linears = 0          # how many projections stream GGUF blocks (weight_blocks="auto")
+        if weight_blocks == "auto" and can_pack(self.device, self.dtype) and native_gemv.AVAILABLE:
+            self.block_linears, linears = self.model.use_block_weights()
+            if self.block_linears:
+                log.info("streaming %d of %d linears as their exact GGUF blocks (%.0f MB a decode step instead of "
+                         "%.0f)", self.block_linears, linears, self.streamed_weight_bytes / 2**20,
+                         self.weight_bytes / 2**20)
         self.tokenizer = source.tokenizer
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -60,6 +81,18 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         params = {id(p): p for p in self.model.parameters()}  # tied weights count once
         return sum(p.numel() * p.element_size() for p in params.values())
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        """weight_bytes with every projection that streams GGUF blocks counted at its blocks' size: the bytes a
+        batch-1 decode step reads, as weight_bytes is for fp32 weights."""
+        linears = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        streamed = {id(m.weight): (m.fresh_blocks() if isinstance(m, PackedLinear) else None) for m in linears}
+        total = 0
+        for p in {id(p): p for p in self.model.parameters()}.values():
+            blocks = streamed.get(id(p))
+            total += blocks.numel() if blocks is not None else p.numel() * p.element_size()
+        return total
 
     def allocate_kv_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
         c = self.config
