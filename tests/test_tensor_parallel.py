@@ -37,7 +37,8 @@ def test_sharding_refuses_sizes_that_do_not_divide_the_heads() -> None:
 
 
 @pytest.mark.slow
-def test_tp2_greedy_equals_tp1_under_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("gguf_blocks", [False, True], ids=["fp32", "gguf_blocks"])
+def test_tp2_greedy_equals_tp1_under_torchrun(tmp_path: Path, gguf_blocks: bool) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -45,6 +46,7 @@ def test_tp2_greedy_equals_tp1_under_torchrun(tmp_path: Path) -> None:
     # NOTE: tied embeddings and an odd vocabulary: the head shares the embedding's rows and the last shard is padded
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                f"--master-port={port}", "-m", "lab.parallel.check", "--tie", "--vocab-size", "127", "--out", str(out)]
+    command += ["--gguf-blocks"] if gguf_blocks else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -52,3 +54,4 @@ def test_tp2_greedy_equals_tp1_under_torchrun(tmp_path: Path) -> None:
     assert result["cb_paged_equal"], "cb_paged under the lockstep serving loop diverged from TP=1"
     assert result["max_abs_logit_diff"] < 1e-4, result["max_abs_logit_diff"]
     assert result["sampled_lengths"] == [12] * 4, "sampled requests did not finish in lockstep"
+    assert (result["block_linears"] > 0) == gguf_blocks, "each shard streams the blocks of its rows"

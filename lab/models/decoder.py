@@ -115,6 +115,8 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._fused_layers: list[list[torch.Tensor]] | None = None   # built on first use (forward)
+        # NOTE: False for a tensor-parallel shard: the one-call native paths have no all-reduce between the layers
+        self.allow_fused_layers = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
@@ -156,6 +158,8 @@ class DecoderModel(nn.Module):
     def _native_decode_layers(self) -> list[list[torch.Tensor]] | None:
         """Per layer the 7 tensors native_gemv.decode_layers reads, or None where the fused path cannot run
         (q/k norms, non-fp32 weights, or a weight not row-major)."""
+        if not self.allow_fused_layers:
+            return None
         if self._fused_layers is None:
             layers: list[list[torch.Tensor]] = []
             for layer in self.layers:

@@ -72,12 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vocab-size", type=int, default=127, help="odd on purpose: the last vocab shard is padded")
     parser.add_argument("--tie", action="store_true", help="tied embedding and head")
+    parser.add_argument("--gguf-blocks", action="store_true",
+                        help="weights made of GGUF blocks, so every shard streams its blocks (weight_blocks)")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     ctx = init_distributed()
     torch.manual_seed(0)
-    source = tiny(seed=0, vocab_size=args.vocab_size, with_tokenizer=False, tie_word_embeddings=args.tie)
+    source = tiny(seed=0, vocab_size=args.vocab_size, with_tokenizer=False, tie_word_embeddings=args.tie,
+                  gguf_blocks=args.gguf_blocks)
     runner = ModelRunner(source, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     if ctx.is_leader:
         ref = {"logits": prefill_logits(runner), "ar": tokens(AREngine(runner).run(requests(args.max_tokens)).requests),
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {"world_size": ctx.world_size, "max_abs_logit_diff": float((logits - ref["logits"]).abs().max()),
                   "ar_equal": ar == ref["ar"], "cb_paged_equal": [served[f"g{i}"] for i in range(len(PROMPTS))]
                   == ref["cb_paged"], "ar_tokens": ar, "reference_ar_tokens": ref["ar"],
-                  "sampled_lengths": [len(served[f"s{i}"]) for i in range(len(PROMPTS))]}
+                  "sampled_lengths": [len(served[f"s{i}"]) for i in range(len(PROMPTS))],
+                  "block_linears": runner.block_linears}
         ok = result["ar_equal"] and result["cb_paged_equal"] and result["max_abs_logit_diff"] < 1e-4 and \
             result["sampled_lengths"] == [args.max_tokens] * len(PROMPTS)
         result["ok"] = ok
