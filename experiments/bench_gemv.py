@@ -17,8 +17,13 @@ stays in the L3 cache (gate_up's 7 MB), so no call waits on DRAM and M rows cost
 against the one-row DRAM rate of the streaming table says how many one-row calls M rows can never go below on
 this core, however the weight traffic is hidden under the arithmetic (docs/speculative.md, session 19).
 
+`--blocks` (with --rows) times the weights as GGUF blocks (lab/models/weight_blocks.py) against the same values in
+fp32: all 120 projections of SmolLM2's 30 layers (random values rounded to Q4_1, one copy each, as a decode step
+streams them) and the Q8_0 head, per row count, checking every output is bit-identical (docs/benchmarks.md).
+
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
     python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
+    python experiments/bench_gemv.py --rows 1,2,3,5,8,12 --blocks
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lab.models import native_gemv
+from lab.models import native_gemv, weight_blocks
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
@@ -57,12 +62,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--rows", default="", help="comma-separated row counts for the few-rows table")
     parser.add_argument("--floor", action="store_true", help="also the arithmetic floor of each row count")
+    parser.add_argument("--blocks", action="store_true", help="only the GGUF-blocks table: blocks against fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native_gemv.load_kernel()
     kernel = native_gemv._KERNEL
     print(f"# bench_gemv: {args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load average {os.getloadavg()[0]:.2f}, native available: {native_gemv.AVAILABLE}")
+    if args.blocks:
+        if kernel is None:
+            raise SystemExit("--blocks needs the native kernel")
+        blocks_table([int(m) for m in (args.rows or "1,2,3,5,8").split(",")], args.reps)
+        return
     variants = {"mkl-rowmajor": lambda x, w: F.linear(x, w),
                 "mkl-colmajor": lambda x, w: F.linear(x, w)}
     if kernel is not None:
@@ -127,6 +138,40 @@ def floor_table(kernel, row_counts: list[int], dram_gbps: float, calls: int = 30
         seconds = time_variant(lambda x, w: kernel.gemv(x, w, None, 1), [weight] * calls, x, 5)
         gbps = out * inn * 4 / seconds / 1e9
         print(f"| {m} | {gbps:.1f} | {out * inn * m / 8 / seconds / 1e9:.2f} | {dram_gbps / gbps:.2f} |")
+
+
+def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
+    """Per row count M: ms for SmolLM2's 4 * `layers` projections and for its head, fp32 against GGUF blocks of
+    the same values (Q4_1 projections, Q8_0 head), and whether every output is bit-identical."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [shape for name, shape in SHAPES.items() if not name.startswith("lm_head")] * layers
+    projections = []
+    for out, inn in shapes:
+        weight = weight_blocks.round_to_q4_1(torch.randn(out, inn, generator=generator) * 0.05)
+        projections.append((weight, weight_blocks.find_blocks(weight, "q4_1")))
+    head = weight_blocks.round_to_q8_0(torch.randn(*SHAPES["lm_head 576->49152"], generator=generator) * 0.05)
+    head_blocks = weight_blocks.find_blocks(head, "q8_0")
+    print(f"\n| rows | {len(shapes)} projections fp32 ms | as Q4_1 blocks ms | speedup | head fp32 ms "
+          f"| as Q8_0 blocks ms | speedup | bit-identical |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+
+    def sweep(pairs: list[tuple[torch.Tensor, torch.Tensor]], pick: int, xs: dict[int, torch.Tensor]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            for pair in pairs:
+                native_gemv.gemv(xs[pair[0].shape[1]], pair[pick])
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    for m in row_counts:
+        xs = {inn: torch.randn(m, inn, generator=generator) for inn in {inn for _, inn in shapes}}
+        same = all(torch.equal(native_gemv.gemv(xs[w.shape[1]], w), native_gemv.gemv(xs[w.shape[1]], b))
+                   for w, b in projections[:4] + [(head, head_blocks)])
+        fp32, blocks = sweep(projections, 0, xs), sweep(projections, 1, xs)
+        head_fp32, head_q8 = sweep([(head, head_blocks)], 0, xs), sweep([(head, head_blocks)], 1, xs)
+        print(f"| {m} | {fp32:.1f} | {blocks:.1f} | {fp32 / blocks:.2f}x | {head_fp32:.1f} | {head_q8:.1f} "
+              f"| {head_fp32 / head_q8:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

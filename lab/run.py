@@ -262,6 +262,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             **speedup_fields(baseline, outcome, getattr(engine, "speedup_baseline", "engine")),
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
+            "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)

@@ -13,12 +13,12 @@ from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.models import native_gemv, weight_blocks
-from lab.models.packed_linear import PackedLinear
+from lab.models.packed_linear import BLOCK_MAX_ROWS, PackedLinear
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.ngram_config import NgramProposerConfig
-from tests.helpers import hf_greedy, make_requests
+from tests.helpers import hf_greedy, load_experiment, make_requests
 
 needs_kernel = pytest.mark.skipif(native_gemv.load_kernel() is None, reason="the native GEMV cannot be built here")
 
@@ -90,6 +90,17 @@ def test_a_model_made_of_blocks_streams_them_and_decodes_bit_identically(
     assert isinstance(blocks.model.lm_head, PackedLinear) and blocks.model.lm_head.blocks.dtype == torch.int8
     assert blocks.streamed_weight_bytes < fp32.streamed_weight_bytes / 3
     assert all(layer[i].dtype == torch.uint8 for layer in blocks.model._native_decode_layers() for i in (1, 3, 5, 6))
+    # NOTE: from BLOCK_MAX_ROWS + 1 rows the fp32 weights' sweep is as fast: steps that large keep them
+    wide = blocks.model._native_decode_layers(BLOCK_MAX_ROWS + 1)
+    assert all(layer[i].dtype == torch.float32 for layer in wide for i in (1, 3, 5, 6))
+    head = blocks.model.lm_head
+    calls = []
+    real = native_gemv.gemv
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(native_gemv, "gemv", lambda x, w, b=None: calls.append(w.dtype) or real(x, w, b))
+        for rows in (1, BLOCK_MAX_ROWS, BLOCK_MAX_ROWS + 1):
+            head(torch.randn(rows, head.in_features))
+    assert calls == [torch.int8, torch.int8, torch.float32]
     caches = [r.allocate_kv_cache(1, 64) for r in block_runners]
     prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
     logits = []
@@ -136,3 +147,12 @@ def test_the_bundled_smollm2_is_streamed_as_its_gguf_blocks(smollm2_runner: Mode
         pytest.skip("the native GEMV cannot be built here")
     assert smollm2_runner.block_linears == 30 * 4 + 1
     assert smollm2_runner.streamed_weight_bytes < smollm2_runner.weight_bytes / 4.5
+
+
+@needs_kernel
+def test_bench_gemv_blocks_table_reports_bit_identical_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """experiments/bench_gemv.py --blocks: one row per row count, every output bit-identical to fp32."""
+    bench = load_experiment("bench_gemv")
+    bench.blocks_table([1, 3], reps=1, layers=1)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(rows) == 2 and all(row.rstrip().endswith("| True |") for row in rows)

@@ -19,7 +19,7 @@ from lab.kv_cache.block_kv import BlockKVCache
 from lab.kv_cache.contiguous import ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
-from lab.models.packed_linear import NATIVE_MAX_ROWS, PackedLinear, use_block_weights
+from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear, use_block_weights
 from lab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -115,6 +115,7 @@ class DecoderModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._fused_layers: list[list[torch.Tensor]] | None = None   # built on first use (forward)
+        self._fused_block_layers: list[list[torch.Tensor]] | None = None   # the same with GGUF blocks, if any
         # NOTE: False for a tensor-parallel shard: the one-call native paths have no all-reduce between the layers
         self.allow_fused_layers = True
 
@@ -132,7 +133,8 @@ class DecoderModel(nn.Module):
         the same kernels in the same order as the loop below (bit-identical), without the Python between them
         (~20 % of a batch-1 step on the contiguous cache, docs/benchmarks.md; ~19 % on the paged one,
         docs/speculative.md, session 19)."""
-        layers = self._native_decode_layers() if native_gemv.usable(x, self.embed_tokens.weight) else None
+        rows = x.shape[0] * x.shape[1]
+        layers = self._native_decode_layers(rows) if native_gemv.usable(x, self.embed_tokens.weight) else None
         c = self.config
         if layers is not None and not feature_layers and isinstance(cache, ContiguousKVCache):
             rows = cache.native_decode_rows()
@@ -155,9 +157,11 @@ class DecoderModel(nn.Module):
                 captured[i] = x
         return x, captured
 
-    def _native_decode_layers(self) -> list[list[torch.Tensor]] | None:
-        """Per layer the 7 tensors native_gemv.decode_layers reads, or None where the fused path cannot run
-        (q/k norms, non-fp32 weights, or a weight not row-major)."""
+    def _native_decode_layers(self, rows: int = 1) -> list[list[torch.Tensor]] | None:
+        """Per layer the 7 tensors native_gemv.decode_layers reads for a step of `rows` tokens, or None where the
+        fused path cannot run (q/k norms, non-fp32 weights, a weight not row-major, a tensor-parallel shard). Up to
+        BLOCK_MAX_ROWS rows a projection that streams GGUF blocks gives its blocks, taken when the list is built:
+        call use_block_weights again after changing a weight in place."""
         if not self.allow_fused_layers:
             return None
         if self._fused_layers is None:
@@ -171,14 +175,24 @@ class DecoderModel(nn.Module):
             fits = not self.config.use_qk_norm and all(
                 t.dtype == torch.float32 and t.is_cpu and (t.dim() < 2 or t.stride(-1) == 1)
                 for tensors in layers for t in tensors)
-            if fits:
-                for tensors, layer in zip(layers, self.layers):     # NOTE: GGUF blocks where the weights are blocks
-                    for slot, linear in ((1, layer.self_attn.qkv_proj), (3, layer.self_attn.o_proj),
-                                         (5, layer.mlp.gate_up_proj), (6, layer.mlp.down_proj)):
-                        blocks = linear.fresh_blocks() if isinstance(linear, PackedLinear) else None
-                        tensors[slot] = tensors[slot] if blocks is None else blocks
             self._fused_layers = layers if fits else []
-        return self._fused_layers or None
+            self._fused_block_layers = self._with_blocks(layers) if fits else None
+        if not self._fused_layers:
+            return None
+        if rows <= BLOCK_MAX_ROWS and self._fused_block_layers is not None:
+            return self._fused_block_layers
+        return self._fused_layers
+
+    def _with_blocks(self, layers: list[list[torch.Tensor]]) -> list[list[torch.Tensor]] | None:
+        """`layers` with each projection's GGUF blocks in place of its weight where it has them; None if none has."""
+        swapped, any_blocks = [list(tensors) for tensors in layers], False
+        for tensors, layer in zip(swapped, self.layers):
+            for slot, linear in ((1, layer.self_attn.qkv_proj), (3, layer.self_attn.o_proj),
+                                 (5, layer.mlp.gate_up_proj), (6, layer.mlp.down_proj)):
+                blocks = linear.fresh_blocks() if isinstance(linear, PackedLinear) else None
+                if blocks is not None:
+                    tensors[slot], any_blocks = blocks, True
+        return swapped if any_blocks else None
 
     def forward_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
                               feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,14 @@ class EarlyExitModel(nn.Module):
                                                                    model.lm_head)
         self.layers = nn.ModuleList(list(model.layers)[:num_layers])
         self._fused_layers: list[list[torch.Tensor]] | None = None
+        self._fused_block_layers: list[list[torch.Tensor]] | None = None
+        self.allow_fused_layers = model.allow_fused_layers
 
     # NOTE: the target's forward over fewer layers, its one-call native paths included
     forward = DecoderModel.forward
     _run_layers = DecoderModel._run_layers
     _native_decode_layers = DecoderModel._native_decode_layers
+    _with_blocks = DecoderModel._with_blocks
     compute_logits = DecoderModel.compute_logits
 
 

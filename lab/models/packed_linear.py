@@ -39,6 +39,10 @@ PACK_BATCH_HINT = 64
 # NOTE: the native kernel reads each weight once for all rows; it stays ahead of oneDNN up to ~12 rows here
 # (2.5-3.9 one-row calls at 12 against 3.1-3.9; even at 16, behind at 24): a verify step of 4 requests x 3.
 NATIVE_MAX_ROWS = 12
+# NOTE: GGUF blocks (use_block_weights) serve up to this many rows: widening a block costs more arithmetic than its
+# product, so from a few rows the fp32 weights' sweep catches up (experiments/bench_gemv.py --blocks, 1 thread:
+# SmolLM2's projections 1.5-1.8x faster on blocks at 1-3 rows, 1.0-1.3x at 4-5, 0.9-1.1x at 8-12).
+BLOCK_MAX_ROWS = 5
 
 
 def default_backend() -> GemmBackend:
@@ -100,7 +104,8 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
         blocks = self.fresh_blocks()
-        if few_rows and blocks is not None and native_gemv.usable(x, weight, self.bias):
+        if (blocks is not None and 0 < x.numel() <= BLOCK_MAX_ROWS * self.in_features
+                and native_gemv.usable(x, weight, self.bias)):
             return native_gemv.gemv(x, blocks, self.bias)      # NOTE: bit-identical to the fp32 weight's GEMV
         if self.half_copy_serves(x):
             return native_gemv.gemv_f16(x, self.half_weight, self.bias)
