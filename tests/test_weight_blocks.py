@@ -43,6 +43,15 @@ def test_blocks_are_found_exactly_where_a_weight_is_made_of_them(fmt: str) -> No
     assert weight_blocks.find_blocks(one_off, fmt) is None, "one value an ulp off a block value"
 
 
+def test_a_negative_zero_is_not_a_block_value() -> None:
+    """Bitwise: a dequantizer never writes -0.0 (q is an integer), and the kernel would widen it to +0.0."""
+    weight = weight_blocks.round_to_q8_0(torch.randn(4, 64, generator=torch.Generator().manual_seed(1)))
+    weight[2, 7] = 0.0                                   # NOTE: q = 0 is a Q8_0 value in any block
+    assert weight_blocks.find_blocks(weight, "q8_0") is not None
+    weight[2, 7] = -0.0
+    assert weight_blocks.find_blocks(weight, "q8_0") is None
+
+
 def test_constant_blocks_round_trip() -> None:
     weight = torch.zeros(4, 64)                          # NOTE: all zero: d = 0 in either format
     assert torch.equal(weight_blocks.unpack(weight_blocks.find_blocks(weight, "q8_0")), weight)

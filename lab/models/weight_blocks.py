@@ -79,7 +79,8 @@ def _recover(w: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Ten
         d = _half_neighbour(first, steps)
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.where(d > 0, ((blocks - m) / safe).round().clamp(lo, hi), torch.zeros_like(blocks))
-        exact = ((d * q + m) == blocks).all(-1, keepdim=True) & ~solved
+        # NOTE: bitwise, so a -0.0 the kernel would widen to +0.0 is not taken for the same value
+        exact = ((d * q + m).view(torch.int32) == blocks.view(torch.int32)).all(-1, keepdim=True) & ~solved
         best_d = torch.where(exact, d, best_d)
         best_q = torch.where(exact, q, best_q)
         solved |= exact
@@ -151,4 +152,5 @@ def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
     blocks = weight.detach().to(torch.float32).reshape(out, inn // BLOCK, BLOCK)
     d = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16).to(torch.float32)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return (d * (blocks * inv).round().clamp(-127, 127)).reshape(out, inn)
+    q = (blocks * inv).round().clamp(-127, 127) + 0.0           # NOTE: + 0.0: an integer q has no -0.0
+    return (d * q).reshape(out, inn)
