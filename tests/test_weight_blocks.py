@@ -61,7 +61,7 @@ def test_constant_blocks_round_trip() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", weight_blocks.FORMATS)
-@pytest.mark.parametrize("shape", [(576, 576), (4 * 37 + 3, 96), (3, 32), (64, 1536)])
+@pytest.mark.parametrize("shape", [(576, 576), (4 * 37 + 3, 96), (3, 32), (64, 1536), (1501, 96)])
 def test_block_gemv_is_bit_identical_to_the_fp32_gemv(fmt: str, shape: tuple[int, int]) -> None:
     generator = torch.Generator().manual_seed(sum(shape))
     weight = ROUNDERS[fmt](torch.randn(*shape, generator=generator) * 0.05)

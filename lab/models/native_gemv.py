@@ -384,7 +384,9 @@ at::Tensor gemv_blocks(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   at::Tensor y = gemv_output(x, out);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* xp = xc.data_ptr<float>(); float* yp = y.data_ptr<float>();
-  split_rows(out, ld, max_threads, [&](int64_t r0, int64_t r1) {
+  // NOTE: the fp32 GEMV's split (its row bytes), so every row lands in a quad or among the leftover rows as there:
+  // the two sum a quad's rows and a leftover row in different orders.
+  split_rows(out, in * 4, max_threads, [&](int64_t r0, int64_t r1) {
     if (q4) gemv_block_rows<Q4_1Block>(wp, ld, xp, M, bp, yp, out, in, r0, r1);
     else gemv_block_rows<Q8_0Block>(wp, ld, xp, M, bp, yp, out, in, r0, r1);
   });
