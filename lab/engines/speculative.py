@@ -14,13 +14,15 @@ before it counted; under a grammar, the tokens it forces are drafted (`grammar_d
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
 
 from lab.engines.ar import AREngine
 from lab.engines.base import Engine
-from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
+from lab.engines.continuous import ContinuousBatchingEngine, StepBatch, _phase_name
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
 from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
@@ -31,11 +33,13 @@ from lab.sample.logits_processors import apply_logits_processors_to_drafts
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.counters import SpecCounters
+from lab.spec.goodput import GoodputPolicy
 from lab.spec.proposer import Draft, ProposerConfig, check_num_spec_tokens
 from lab.spec.schedule import SpecSchedule
 from lab.spec.tree import row_prefixes
 
 SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
+DRAFT_POLICIES = frozenset({"static", "goodput"})  # how many drafts a step verifies: see __init__
 MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts fit the attention's hidden-key bits
 
 
@@ -49,7 +53,10 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
                  disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
-                 speedup_baseline: str = "engine", grammar_drafts: bool = True) -> None:
+                 speedup_baseline: str = "engine", grammar_drafts: bool = True, draft_policy: str = "static") -> None:
+        """draft_policy: `static` verifies what the proposer drafts (k, or the schedule's k for the batch size, cut by
+        the proposer's own confidence gate); `goodput` then keeps, per step, the drafts that maximise the expected
+        tokens per second from the step costs and acceptance this engine has measured (lab/spec/goodput.py)."""
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
         # (lab/spec/features.py), so a cached prompt block brings its features along. The KV memory budget pays
@@ -68,11 +75,19 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                            "use 'engine' (this engine, speculation off) or 'ar' (the batch-1 AR engine)")
         self.speedup_baseline = speedup_baseline
         self.grammar_drafts = grammar_drafts   # a structured output's forced tokens are drafted (_with_forced_tokens)
+        if draft_policy not in DRAFT_POLICIES:
+            raise LabError(f"engine.draft_policy must be one of {sorted(DRAFT_POLICIES)}, got {draft_policy!r}",
+                           "use 'static' (verify every draft the proposer keeps) or 'goodput' (keep the drafts worth "
+                           "their verify rows, learnt online)")
+        self.draft_policy = draft_policy
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager)
+        self.goodput = GoodputPolicy() if draft_policy == "goodput" and num_spec_tokens else None
+        if self.goodput is not None:
+            _measure_confidence(self.proposer)
         check_num_spec_tokens(self.proposer, num_spec_tokens, "engine.num_spec_tokens", "this proposer", lowest=1)
         tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
         max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
@@ -89,6 +104,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                                          runner.max_model_len)
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
+        self._drafted_last_step = False   # whether the next step verifies a draft phase's output (goodput policy)
         self._reset_spec_counters()
 
     @property
@@ -172,6 +188,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 result = self.rejection_sampler.verify(processed, spec, request.sampling_params,
                                                        self.generator_for(request), probs)
                 self.record_logprobs(request, rows, list(range(len(result.token_ids))), result.token_ids)
+                if self.goodput is not None and spec and draft is not None and not draft.forced:
+                    confidence = draft.confidence or [None] * len(spec)
+                    self.goodput.acceptance.observe(confidence[:len(spec)], result.num_accepted)
             sampled[request.request_id] = result.token_ids
             self.num_emitted_tokens += len(result.token_ids)
             if spec:
@@ -210,7 +229,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         return finished
 
     def _propose(self) -> None:
+        self._drafted_last_step = False
         num_spec_tokens = self.schedule.num_spec_tokens(len(self.scheduler.running))
+        if (num_spec_tokens and self.goodput is not None and self.scheduler.running
+                and not self.goodput.should_draft(len(self.scheduler.running))):
+            num_spec_tokens = 0   # NOTE: the goodput policy found drafting does not pay now (lab/spec/goodput.py)
         if not num_spec_tokens:
             # NOTE: feature drafters still observe every target forward, so they draft again at once when
             # the batch shrinks; the skipped tokens are caught up like a cascade's fallback's.
@@ -225,8 +248,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 rooms.append(room)
         if not ready:
             return
+        self._drafted_last_step = True
+        start = time.perf_counter()
         with self.phases.phase("draft", num_tokens=len(ready) * num_spec_tokens):
             drafts = self.proposer.propose(ready, num_spec_tokens, [self.generator_for(r) for r in ready])
+        kept: list[tuple[Request, Draft]] = []
         for request, room in zip(ready, rooms):
             draft, is_forced = drafts.get(request.request_id), False
             if self.grammar_drafts and request.grammar is not None:
@@ -235,9 +261,41 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 draft.fit(min(num_spec_tokens, room), room)
                 self.num_forced_drafts += is_forced
                 self.num_forced_draft_tokens += len(draft.token_ids) if is_forced else 0
+                draft.forced = is_forced
+                kept.append((request, draft))
+        if self.goodput is not None:
+            self.goodput.observe_draft(time.perf_counter() - start)
+            self._fit_to_goodput(kept)
+        for request, draft in kept:
+            if draft.token_ids:
                 request.spec_token_ids = list(draft.token_ids)
                 request.spec_parents = None if draft.parents is None else list(draft.parents)
                 self._drafts[request.request_id] = draft
+
+    def _fit_to_goodput(self, kept: list[tuple[Request, Draft]]) -> None:
+        """Cut each chain draft to what the goodput policy verifies (engine.draft_policy=goodput); trees and
+        the tokens a grammar forces are kept whole and counted as the step's fixed rows."""
+        chains = [(r, d) for r, d in kept if d.parents is None and not d.forced]
+        fixed_rows = len(self.scheduler.running) + sum(len(d.token_ids) for _, d in kept
+                                                       if d.parents is not None or d.forced)
+        confidences = [d.confidence or [None] * len(d.token_ids) for _, d in chains]
+        lengths = self.goodput.lengths(fixed_rows, confidences)
+        if lengths is not None:
+            for (_, draft), length in zip(chains, lengths):
+                draft.fit(length, length)
+
+    def _execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        if self.goodput is None:
+            return super()._execute(out)
+        start = time.perf_counter()
+        sampled = super()._execute(out)
+        if _phase_name(out) == "decode":   # NOTE: what a verify step of this many rows costs here (goodput policy)
+            rows = out.total_num_scheduled_tokens
+            self.goodput.costs.observe(rows, time.perf_counter() - start)
+            if self._drafted_last_step:
+                self.goodput.observe_verify(len(sampled), rows, sum(
+                    len(tokens) if isinstance(tokens, list) else 1 for tokens in sampled.values()))
+        return sampled
 
     def _with_forced_tokens(self, request: Request, draft: Draft | None) -> tuple[Draft | None, bool]:
         """Under a structured output, the tokens its grammar forces next are drafts the verify accepts unless the
@@ -273,4 +331,14 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  "spec/tokens_per_target_forward": self.num_emitted_tokens / max(1, self.num_target_forwards)}
         for num_accepted, count in enumerate(self.acceptance_histogram):
             stats[f"spec/acceptance_histogram/{num_accepted}"] = count
+        if self.goodput is not None:
+            stats.update(self.goodput.stats())
         return stats
+
+
+def _measure_confidence(proposer: object) -> None:
+    """Have the proposer's drafters (a cascade's both) report their confidences with each draft, cutting nothing."""
+    for part in (proposer, getattr(proposer, "primary", None), getattr(proposer, "fallback", None)):
+        gate = getattr(part, "gate", None)
+        if gate is not None:
+            part.gate = dataclasses.replace(gate, measure=True)

@@ -87,6 +87,13 @@ def speculative_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("Per-position acceptance (%)", ", ".join(f"{100 * rate:.0f}" for rate in per_position)))
     if "spec/draft_s" in results:
         rows.append(("Draft / verify time (s)", f"{results['spec/draft_s']:.2f} / {results['spec/verify_s']:.2f}"))
+    if "spec/goodput_kept_draft_share" in results:   # NOTE: engine.draft_policy=goodput
+        rows.append(("Goodput: drafts verified (%)", f"{100 * results['spec/goodput_kept_draft_share']:.1f}"))
+        rows.append(("Goodput: steps not drafted (%)", f"{100 * results.get('spec/goodput_paused_share', 0.0):.1f}"))
+        prefix = "spec/goodput_step_cost/"
+        costs = sorted((int(k[len(prefix):].split("_")[0]), v) for k, v in results.items() if k.startswith(prefix))
+        if costs:
+            rows.append(("Goodput: step cost by rows", ", ".join(f"{n}: {cost:.2f}" for n, cost in costs[:3])))
     if "spec/speedup_tpot" in results:
         same = "same output" if results.get("spec/same_output_as_baseline") else "OUTPUT DIFFERS"
         rows.append((f"TPOT speedup over {results.get('spec/speedup_baseline', 'engine')}",

@@ -193,14 +193,15 @@ class DFlashProposer(FeatureProposer):
         return tokens, probs, confidence, best or [[] for _ in active]
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
-               best_first: list[int]) -> Draft:
-        """A request's kept drafts (a chain: tokens, their q) -> its Draft; a tree when the first position's best
-        tokens (`best_first`, from `pick(..., tree_rows=...)`) offer runners-up and the request is greedy."""
+               best_first: list[int], confidence: list[float] | None) -> Draft:
+        """A request's kept drafts (a chain: tokens, their q, the drafter's confidences if measured) -> its Draft; a
+        tree when the first position's best tokens (`best_first`, from `pick(..., tree_rows=...)`) offer runners-up
+        and the request is greedy."""
         if len(best_first) > 1 and request.sampling_params.is_greedy:
             token_ids, parents = with_siblings(tokens, best_first, self.tree_tails)
             if len(token_ids) > len(tokens):
                 return Draft(token_ids, None, parents)
-        return Draft(tokens, None if probs[0] is None else torch.stack(probs))
+        return Draft(tokens, None if probs[0] is None else torch.stack(probs), confidence=confidence)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_spec_tokens: int,
@@ -232,7 +233,7 @@ class DFlashProposer(FeatureProposer):
             length = self.gate.length(confidence[span]) if self.gate.active else k
             if length:
                 out[request.request_id] = self._draft(request, tokens[span][:length], probs[span][:length],
-                                                     best[row])
+                                                     best[row], confidence[span][:length] if self.gate.active else None)
         return out
 
 

@@ -184,7 +184,8 @@ class EagleProposer(FeatureProposer):
             if length:
                 row_dists = dists[row][:length]
                 out[request.request_id] = Draft(tokens[row][:length],
-                                                None if row_dists[0] is None else torch.stack(row_dists))
+                                                None if row_dists[0] is None else torch.stack(row_dists),
+                                                confidence=confidences[row][:length] if self.gate.active else None)
         return out
 
 

@@ -98,6 +98,7 @@ class ConfidenceGate:
 
     min_confidence: float = 0.0
     always_draft: int = 0
+    measure: bool = False   # compute the confidences though nothing is cut by them (engine.draft_policy=goodput)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_confidence <= 1.0 or self.always_draft < 0:
@@ -107,7 +108,8 @@ class ConfidenceGate:
 
     @property
     def active(self) -> bool:
-        return self.min_confidence > 0
+        """Whether the drafter computes its confidences (to cut drafts by them, or to report them)."""
+        return self.min_confidence > 0 or self.measure
 
     def length(self, confidence: list[float]) -> int:
         """How many leading drafts to keep."""

@@ -23,6 +23,10 @@ class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None   # (len(token_ids), V) q distributions; None = deterministic (one-hot)
     parents: list[int] | None = None    # a tree of drafts (greedy only): each token's parent; None: a chain
+    # NOTE: a chain's drafter confidence at each token (its distribution's largest probability), where the drafter
+    # computes it (a confidence gate, or engine.draft_policy=goodput); None: not measured
+    confidence: list[float] | None = None
+    forced: bool = False                # the tokens a request's grammar forces (engine.grammar_drafts)
 
     def fit(self, max_depth: int, max_tokens: int) -> None:
         """Keep what a step may verify for a request with room for `max_tokens` more tokens: a chain's first
@@ -30,6 +34,8 @@ class Draft:
         prefix, the chain first), so its keys never need more slots than the request's last token will."""
         if self.parents is None:
             self.token_ids = self.token_ids[:max_depth]
+            if self.confidence is not None:
+                self.confidence = self.confidence[:max_depth]
         else:
             token_ids, parents = limit_depth(self.token_ids, self.parents, max_depth)
             self.token_ids, self.parents = token_ids[:max_tokens], parents[:max_tokens]

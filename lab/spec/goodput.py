@@ -1,0 +1,208 @@
+"""GoodputPolicy (engine.draft_policy=goodput): how many of each request's drafts a verify step checks, chosen per
+step to maximise the expected tokens per second, from what this engine measured on this machine.
+
+A drafted token pays only if the chance it is accepted is worth what its verify row costs. That price depends on
+the machine and the batch: on a GPU extra rows are nearly free (docs/speculative.md, session 15); on this CPU with
+the GGUF blocks a batch-1 decode step is compute-bound and a second row costs ~20 % of a step, a third ~30 %
+(docs/speculative.md, session 31); at 16-32 requests the step is a GEMM whose every row costs. A static k (or
+vLLM's `disable_by_batch_size`) fits one of these; the policy learns them all while it serves:
+
+- **StepCostModel**: the seconds of a pure decode / verify step by its number of query rows, an exponential
+  moving average per row count (started at the median of its first three), interpolated between the counts
+  measured, so a batch of 32 whose verify steps hold 33-96 rows learns them from a few. Past the largest count
+  measured (recently), rows look free, so they get tried: the policy explores its way to the real prices.
+- **AcceptanceModel**: the chance a draft is accepted given the drafts before it were, by position and, for
+  drafters that report one (EAGLE, DFlash), by their confidence (the drafted distribution's largest probability)
+  in tenths; a Beta prior centred on the confidence itself until the counts speak (on 1.0 without one:
+  optimistic, so a drafter that reports none is tried until its record says otherwise).
+- **choose**: with the batch's base rows (one per request) and per request the chance its first n drafts are all
+  accepted (a product, so falling with n), adding drafts in order of that chance, which keeps each request's a
+  prefix, and keeping the prefix of the order with the most expected tokens per second, draft time included.
+- **Whether to draft at all**: the draft is paid before the choice. Each window of drafted steps (64
+  request-steps: 64 steps at batch 1, 2 at batch 32) is weighed against plain steps emitting the same tokens;
+  where drafting lost, the engine stops drafting for a while, then tries a window again (past the crossover, or on
+  text the drafter cannot guess). Before drafting it measures a plain step of at most the batch's size.
+
+Lossless like the confidence gate: how many drafts are verified never changes which token is emitted (greedy), and
+the inputs are the drafted distribution's maximum and past outcomes, never the drawn token (sampling).
+
+Owns: the cost and acceptance statistics and the choice. Ignores: drafting, verifying (the engine feeds it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CONFIDENCE_BINS = 10
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    smoothing: float = 0.2          # weight of a new measurement in a row count's moving average
+    first_samples: int = 3          # a row count's average starts at the median of its first few (a first step pays
+                                    #   one-off costs); until then the lower median of what it has stands for it
+    stale_after: int = 200          # steps after which a row count's estimate counts as unmeasured again
+    seconds: dict[int, float] = field(default_factory=dict)    # rows -> moving average of a step's seconds
+    samples: dict[int, list[float]] = field(default_factory=dict)   # rows -> its first measurements
+    last_seen: dict[int, int] = field(default_factory=dict)    # rows -> the step it was last measured at
+    num_steps: int = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.num_steps += 1
+        self.last_seen[rows] = self.num_steps
+        if rows in self.seconds:
+            self.seconds[rows] += self.smoothing * (seconds - self.seconds[rows])
+            return
+        first = self.samples.setdefault(rows, [])
+        first.append(seconds)
+        if len(first) == self.first_samples:
+            self.seconds[rows] = sorted(first)[len(first) // 2]
+            del self.samples[rows]
+
+    def estimates(self) -> dict[int, float]:
+        """Row count -> its estimate, for the counts measured in the last `stale_after` steps, increasing."""
+        table = {**{rows: sorted(first)[(len(first) - 1) // 2] for rows, first in self.samples.items()},
+                 **self.seconds}
+        recent = self.num_steps - self.stale_after
+        return {rows: table[rows] for rows in sorted(table) if self.last_seen[rows] >= recent}
+
+    def measured_up_to(self, rows: int) -> bool:
+        """Whether a step of at most `rows` rows has been measured (recently)."""
+        return any(measured <= rows for measured in self.estimates())
+
+    def cost(self, rows: int) -> float | None:
+        """A step of `rows` query rows in seconds: measured; else interpolated between the nearest measured counts
+        around it; past the largest measured, that one's (optimistic: more rows look free until tried); below the
+        smallest, the smallest's. Counts not measured for `stale_after` steps are left out (so tried again). None
+        before any count is measured."""
+        return interpolate(self.estimates(), rows)
+
+
+def interpolate(table: dict[int, float], rows: int) -> float | None:
+    """StepCostModel.cost over a table of its estimates (row counts increasing)."""
+    if not table:
+        return None
+    below = [r for r in table if r <= rows]
+    above = [r for r in table if r > rows]
+    if not below:
+        return table[above[0]]
+    low = below[-1]
+    if low == rows or not above:
+        return table[low]
+    high = above[0]
+    return table[low] + (table[high] - table[low]) * (rows - low) / (high - low)
+
+
+@dataclass(slots=True)
+class AcceptanceModel:
+    prior_strength: float = 4.0     # the prior counts as this many observations
+    counts: dict[tuple[int, int], list[float]] = field(default_factory=dict)   # (position, bin) -> [accepted, seen]
+
+    @staticmethod
+    def _bin(confidence: float | None) -> int:
+        return -1 if confidence is None else min(int(confidence * CONFIDENCE_BINS), CONFIDENCE_BINS - 1)
+
+    def estimate(self, position: int, confidence: float | None) -> float:
+        """P(draft `position` (0-based) is accepted | the drafts before it were)."""
+        prior = 1.0 if confidence is None else confidence
+        accepted, seen = self.counts.get((position, self._bin(confidence)), (0.0, 0.0))
+        return (accepted + self.prior_strength * prior) / (seen + self.prior_strength)
+
+    def observe(self, confidences: list[float | None], num_accepted: int) -> None:
+        """A verified chain: drafts 0..num_accepted-1 accepted, draft num_accepted (if any) rejected; the ones
+        after it were never judged."""
+        for position, confidence in enumerate(confidences[:num_accepted + 1]):
+            entry = self.counts.setdefault((position, self._bin(confidence)), [0.0, 0.0])
+            entry[0] += position < num_accepted
+            entry[1] += 1
+
+
+def choose(base_rows: int, chances: list[list[float]], cost, draft_seconds: float) -> list[int]:
+    """How many drafts each request verifies. base_rows: the step's rows without drafts; chances[r][i]: the chance
+    request r's drafts 0..i are all accepted (non-increasing in i); cost(rows) -> seconds. Returns per request n."""
+    order = sorted(((chance, position, r) for r, row in enumerate(chances) for position, chance in enumerate(row)),
+                   key=lambda item: (-item[0], item[1]))
+    tokens, best_rate, best_n = float(base_rows), base_rows / (cost(base_rows) + draft_seconds), 0
+    for n, (chance, _, _) in enumerate(order, 1):
+        tokens += chance
+        rate = tokens / (cost(base_rows + n) + draft_seconds)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    lengths = [0] * len(chances)
+    for _, _, r in order[:best_n]:
+        lengths[r] += 1
+    return lengths
+
+
+@dataclass(slots=True)
+class GoodputPolicy:
+    costs: StepCostModel = field(default_factory=StepCostModel)
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
+    window: int = 64                 # request-steps (requests x steps) of drafting per verdict on whether it pays
+    pause: int = 64                  # steps without drafting after a verdict that it did not; then a window again
+    draft_seconds: float = 0.0       # moving average of one draft phase
+    num_choices: int = 0
+    num_drafts_offered: int = 0
+    num_drafts_kept: int = 0
+    num_steps: int = 0               # draft opportunities (steps after which the engine may draft)
+    num_steps_paused: int = 0
+    paused_until: int = 0
+    verdict: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # this window's request-steps, modelled
+                                     # seconds of its drafted steps, and of plain steps emitting the same tokens
+
+    def should_draft(self, num_requests: int) -> bool:
+        """Whether to draft for the next step of `num_requests` requests: not before a plain step of at most that
+        many rows is measured (the price every draft is weighed against; so the first steps at a new, smaller batch
+        size run plain), and not while a verdict said drafting does not pay (the draft itself costs a share of a
+        step, and past the crossover no choice of drafts earns it back)."""
+        self.num_steps += 1
+        if self.num_steps < self.paused_until or not self.costs.measured_up_to(num_requests):
+            self.num_steps_paused += 1
+            return False
+        return True
+
+    def observe_verify(self, num_requests: int, rows: int, num_tokens: int) -> None:
+        """A decode step that followed a draft: `num_requests` requests, `rows` query rows, `num_tokens` emitted.
+        Against plain steps emitting as many tokens at the modelled costs (draft included): a window of
+        `window` request-steps that took longer pauses drafting for `pause` steps."""
+        plain, verify = self.costs.cost(num_requests), self.costs.cost(rows)
+        if plain is None or verify is None:
+            return
+        self.verdict[0] += num_requests
+        self.verdict[1] += verify + self.draft_seconds
+        self.verdict[2] += num_tokens * plain / num_requests
+        if self.verdict[0] >= self.window:
+            if self.verdict[1] > self.verdict[2]:
+                self.paused_until = self.num_steps + self.pause
+            self.verdict = [0.0, 0.0, 0.0]
+
+    def observe_draft(self, seconds: float) -> None:
+        previous = self.draft_seconds
+        self.draft_seconds = seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
+
+    def lengths(self, base_rows: int, confidences: list[list[float | None]]) -> list[int] | None:
+        """Per request how many of its drafts (confidences: one per draft, None where the drafter gives none) to
+        verify; None while no step has been measured yet (verify them all: that measures one)."""
+        table = self.costs.estimates()
+        if not table:
+            return None
+        chances = []
+        for row in confidences:
+            chance, prefix = 1.0, []
+            for position, confidence in enumerate(row):
+                chance *= self.acceptance.estimate(position, confidence)
+                prefix.append(chance)
+            chances.append(prefix)
+        lengths = choose(base_rows, chances, lambda rows: interpolate(table, rows), self.draft_seconds)
+        self.num_choices += 1
+        self.num_drafts_offered += sum(map(len, confidences))
+        self.num_drafts_kept += sum(lengths)
+        return lengths
+
+    def stats(self) -> dict[str, float]:
+        stats = {"spec/goodput_kept_draft_share": self.num_drafts_kept / max(1, self.num_drafts_offered),
+                 "spec/goodput_paused_share": self.num_steps_paused / max(1, self.num_steps)}
+        measured = self.costs.estimates()
+        for rows in list(measured)[:8]:   # NOTE: relative to the fewest rows measured (a plain batch-1 step: 1 row)
+            stats[f"spec/goodput_step_cost/{rows}_rows"] = measured[rows] / next(iter(measured.values()))
+        return stats
