@@ -19,7 +19,9 @@ this core, however the weight traffic is hidden under the arithmetic (docs/specu
 
 `--blocks` (with --rows) times the weights as GGUF blocks (lab/models/weight_blocks.py) against the same values in
 fp32: all 120 projections of SmolLM2's 30 layers (random values rounded to Q4_1, one copy each, as a decode step
-streams them) and the Q8_0 head, per row count, checking every output is bit-identical (docs/benchmarks.md).
+streams them) and the Q8_0 head, per row count, through the AVX2 kernel and, where the CPU has AVX-512F/VL, the
+AVX-512 one (the same code for 1-3 rows; 4-5 rows in registers), checking every output is bit-identical
+(docs/benchmarks.md).
 
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
     python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
@@ -151,9 +153,12 @@ def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
         projections.append((weight, weight_blocks.find_blocks(weight, "q4_1")))
     head = weight_blocks.round_to_q8_0(torch.randn(*SHAPES["lm_head 576->49152"], generator=generator) * 0.05)
     head_blocks = weight_blocks.find_blocks(head, "q8_0")
-    print(f"\n| rows | {len(shapes)} projections fp32 ms | as Q4_1 blocks ms | speedup | head fp32 ms "
-          f"| as Q8_0 blocks ms | speedup | bit-identical |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    default = native_gemv.blocks_avx512()
+    isas = [False] + ([True] if native_gemv.blocks_avx512(True) else [])   # NOTE: AVX2, and AVX-512 where present
+    native_gemv.blocks_avx512(default)
+    print(f"\n| rows | {len(shapes)} projections fp32 ms | as Q4_1 blocks, AVX2 ms | AVX-512 ms | speedup "
+          f"| head fp32 ms | as Q8_0 blocks, AVX2 ms | AVX-512 ms | speedup | bit-identical |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
     def sweep(pairs: list[tuple[torch.Tensor, torch.Tensor]], pick: int, xs: dict[int, torch.Tensor]) -> float:
         best = float("inf")
@@ -166,12 +171,22 @@ def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
 
     for m in row_counts:
         xs = {inn: torch.randn(m, inn, generator=generator) for inn in {inn for _, inn in shapes}}
-        same = all(torch.equal(native_gemv.gemv(xs[w.shape[1]], w), native_gemv.gemv(xs[w.shape[1]], b))
-                   for w, b in projections[:4] + [(head, head_blocks)])
-        fp32, blocks = sweep(projections, 0, xs), sweep(projections, 1, xs)
-        head_fp32, head_q8 = sweep([(head, head_blocks)], 0, xs), sweep([(head, head_blocks)], 1, xs)
-        print(f"| {m} | {fp32:.1f} | {blocks:.1f} | {fp32 / blocks:.2f}x | {head_fp32:.1f} | {head_q8:.1f} "
-              f"| {head_fp32 / head_q8:.2f}x | {same} |")
+        fp32, head_fp32 = sweep(projections, 0, xs), sweep([(head, head_blocks)], 0, xs)
+        blocks, head_q8, same = {}, {}, True
+        for isa in isas:
+            native_gemv.blocks_avx512(isa)
+            same &= all(torch.equal(native_gemv.gemv(xs[w.shape[1]], w), native_gemv.gemv(xs[w.shape[1]], b))
+                        for w, b in projections[:4] + [(head, head_blocks)])
+            blocks[isa], head_q8[isa] = sweep(projections, 1, xs), sweep([(head, head_blocks)], 1, xs)
+        native_gemv.blocks_avx512(default)
+        used = isas[-1]   # NOTE: the path engines take here (AVX-512 where present); speedups are its
+        print(f"| {m} | {fp32:.1f} | {blocks[False]:.1f} | {_ms(blocks.get(True))} | {fp32 / blocks[used]:.2f}x "
+              f"| {head_fp32:.1f} | {head_q8[False]:.1f} | {_ms(head_q8.get(True))} | {head_fp32 / head_q8[used]:.2f}x "
+              f"| {same} |")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 if __name__ == "__main__":

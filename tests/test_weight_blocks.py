@@ -59,15 +59,27 @@ def test_constant_blocks_round_trip() -> None:
     assert torch.equal(weight_blocks.unpack(weight_blocks.find_blocks(weight, "q4_1")), weight)
 
 
-@needs_kernel
+@pytest.fixture(params=[False, True], ids=["avx2", "avx512"])
+def block_isa(request: pytest.FixtureRequest):
+    """The block GEMV's AVX2 path, then its AVX-512 one (4-5 rows in registers) where this CPU has AVX-512F/VL."""
+    if native_gemv.load_kernel() is None:
+        pytest.skip("the native GEMV cannot be built here")
+    default = native_gemv.blocks_avx512()
+    if native_gemv.blocks_avx512(request.param) != request.param:
+        native_gemv.blocks_avx512(default)
+        pytest.skip("this CPU lacks AVX-512F/VL")
+    yield request.param
+    native_gemv.blocks_avx512(default)
+
+
 @pytest.mark.parametrize("fmt", weight_blocks.FORMATS)
 @pytest.mark.parametrize("shape", [(576, 576), (4 * 37 + 3, 96), (3, 32), (64, 1536), (1501, 96)])
-def test_block_gemv_is_bit_identical_to_the_fp32_gemv(fmt: str, shape: tuple[int, int]) -> None:
+def test_block_gemv_is_bit_identical_to_the_fp32_gemv(fmt: str, shape: tuple[int, int], block_isa: bool) -> None:
     generator = torch.Generator().manual_seed(sum(shape))
     weight = ROUNDERS[fmt](torch.randn(*shape, generator=generator) * 0.05)
     blocks = weight_blocks.find_blocks(weight, fmt)
     bias = torch.randn(shape[0], generator=generator)
-    for rows in (1, 2, 3, 4, 5, 8, 12, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13):
         x = torch.randn(rows, shape[1], generator=generator)
         assert torch.equal(native_gemv.gemv(x, blocks, bias), native_gemv.gemv(x, weight, bias)), rows
         assert torch.equal(native_gemv.gemv(x, blocks)[rows // 2], native_gemv.gemv(x[rows // 2], blocks))

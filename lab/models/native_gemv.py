@@ -242,6 +242,20 @@ static void split_rows(int64_t out, int64_t row_bytes, int64_t max_threads, cons
 // did: each weight is its fp32 expansion's value, bit for bit. The products are then summed in dot_quad's
 // order (one 8-wide accumulator per weight row and input row, 8 columns at a time), so the outputs are
 // bit-identical to the fp32 GEMV's over the expanded weights, for any number of input rows.
+// Where the CPU has AVX-512F/VL (checked at run time: blocks_avx512), 4-5 input rows keep their accumulators in
+// the 32 vector registers AVX-512 gives (AVX2 has 16, enough for 3): the same 8-wide code, compiled for that target,
+// so the outputs are the AVX2 path's, bit for bit.
+#define LAB_AVX512 __attribute__((target("avx512f,avx512vl")))
+
+static int g_blocks_avx512 = -1;   // -1: not decided yet; 0: AVX2; 1: AVX-512
+
+// mode -1: ask; 0: AVX2 only; 1: AVX-512 where the CPU has it. Returns whether AVX-512 is used from now on.
+bool blocks_avx512(int64_t mode) {
+  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  if (mode >= 0 || g_blocks_avx512 < 0) g_blocks_avx512 = (mode != 0) && has;
+  return g_blocks_avx512 == 1;
+}
+
 struct Q4_1Block {
   static constexpr int64_t kBytes = 24;
   static inline void widen(const uint8_t* b, __m256 w[4]) {
@@ -271,8 +285,8 @@ struct Q8_0Block {
 // Four block rows (row b0 + i * quarter_bytes for i < 4) against R input rows, widened in registers once for
 // all R: 4R accumulators + 4 widened vectors fit the 16 registers up to R = 3.
 template <class Block, int R>
-static inline void block_quad(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* __restrict x,
-                              int64_t in, __m128* y) {
+__attribute__((always_inline)) static inline void block_quad(const uint8_t* b0, int64_t quarter_bytes, int64_t nb,
+                                                             const float* __restrict x, int64_t in, __m128* y) {
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
@@ -289,6 +303,23 @@ static inline void block_quad(const uint8_t* b0, int64_t quarter_bytes, int64_t 
   for (int r = 0; r < R; ++r) y[r] = hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
 }
 
+// block_quad inlined into an AVX-512 function: compiled with 32 vector registers, so 4-5 rows fit.
+template <class Block, int R>
+LAB_AVX512 static void block_quad_avx512(const uint8_t* b0, int64_t quarter_bytes, int64_t nb,
+                                         const float* __restrict x, int64_t in, __m128* y) {
+  block_quad<Block, R>(b0, quarter_bytes, nb, x, in, y);
+}
+
+// One quad of block rows against R input rows, widened once in registers, stored (R > 3: AVX-512 only).
+template <class Block, int R>
+static inline void quad_in_registers(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* x,
+                                     int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
+  __m128 ys[R];
+  if constexpr (R > 3) block_quad_avx512<Block, R>(b0, quarter_bytes, nb, x, in, ys);
+  else block_quad<Block, R>(b0, quarter_bytes, nb, x, in, ys);
+  for (int r = 0; r < R; ++r) store_quad(y + r * out, i0, Q, ys[r]);
+}
+
 template <class Block>
 static inline void widen_row(const uint8_t* b, int64_t nb, float* w) {
   for (int64_t j = 0; j < nb; ++j) {
@@ -299,31 +330,30 @@ static inline void widen_row(const uint8_t* b, int64_t nb, float* w) {
 }
 
 // Rows [r0, r1) of Y = X W^T (+ bias) for M input rows, W as blocks (out rows of ld bytes, in = 32 nb columns):
-// gemv_rows' four side-by-side streams. Up to 3 input rows widen each block once in registers; more widen
-// the four rows into an L1 scratch once and run gemv_rows' own quad kernels over it.
+// gemv_rows' four side-by-side streams. Up to 3 input rows (5 with AVX-512) widen each block once in registers;
+// more widen the four rows into an L1 scratch once and run gemv_rows' own quad kernels over it.
 template <class Block>
 static void gemv_block_rows(const uint8_t* __restrict w, int64_t ld, const float* __restrict x, int64_t M,
                             const float* bias, float* __restrict y, int64_t out, int64_t in, int64_t r0, int64_t r1) {
   const int64_t nb = in / 32, Q = (r1 - r0) / 4;
-  std::vector<float> scratch(M > 3 ? 4 * in : 0);
+  const int64_t in_registers = blocks_avx512(-1) ? 5 : 3;
+  std::vector<float> scratch(M > in_registers ? 4 * in : 0);
   std::vector<Tail> tails;
-  if (M > 3) {
+  if (M > in_registers) {
     tails.reserve(M);
     for (int64_t m = 0; m < M; ++m) tails.emplace_back(x + m * in, in);
   }
   for (int64_t j = 0; j < Q; ++j) {
     const int64_t i0 = r0 + j;
     const uint8_t* b0 = w + i0 * ld;
-    __m128 ys[3];
-    if (M == 1) {
-      block_quad<Block, 1>(b0, Q * ld, nb, x, in, ys);
-      store_quad(y, i0, Q, ys[0]);
-    } else if (M == 2) {
-      block_quad<Block, 2>(b0, Q * ld, nb, x, in, ys);
-      for (int r = 0; r < 2; ++r) store_quad(y + r * out, i0, Q, ys[r]);
-    } else if (M == 3) {
-      block_quad<Block, 3>(b0, Q * ld, nb, x, in, ys);
-      for (int r = 0; r < 3; ++r) store_quad(y + r * out, i0, Q, ys[r]);
+    if (M <= in_registers) {
+      switch (M) {
+        case 1: quad_in_registers<Block, 1>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+        case 2: quad_in_registers<Block, 2>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+        case 3: quad_in_registers<Block, 3>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+        case 4: quad_in_registers<Block, 4>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+        default: quad_in_registers<Block, 5>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+      }
     } else {
       float* s = scratch.data();
       for (int i = 0; i < 4; ++i) widen_row<Block>(b0 + i * Q * ld, nb, s + i * in);
@@ -936,6 +966,7 @@ std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("gemv", &gemv, release());
+  m.def("blocks_avx512", &blocks_avx512, release());
   m.def("gemv_f16", &gemv_f16, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("add_rms_norm", &add_rms_norm, release());
@@ -994,6 +1025,8 @@ def load_kernel() -> Any | None:
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why once
                 _KERNEL_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
                 warnings.warn(f"native decode kernels unavailable, using torch ops: {_KERNEL_ERROR}", stacklevel=2)
+        if _KERNEL is not None and os.environ.get("LAB_BLOCKS_AVX512", "1") == "0":
+            _KERNEL.blocks_avx512(0)
     AVAILABLE = _KERNEL is not None
     return _KERNEL
 
@@ -1006,6 +1039,17 @@ def set_enabled(enabled: bool) -> None:
     _KERNEL_ERROR = None if enabled else "turned off by set_enabled(False)"
     if enabled:
         load_kernel()
+
+
+def blocks_avx512(enabled: bool | None = None) -> bool:
+    """Whether GGUF-block GEMVs of 4-5 rows keep their accumulators in AVX-512's 32 registers (where this CPU
+    has AVX-512F/VL; outputs bit-identical to the AVX2 path's, which widens 4-5 rows through an L1 scratch);
+    `enabled` switches it for this process (tests, A/B runs), None only asks. LAB_BLOCKS_AVX512=0 starts a
+    process with it off."""
+    kernel = load_kernel()
+    if kernel is None:
+        return False
+    return bool(kernel.blocks_avx512(-1 if enabled is None else int(enabled)))
 
 
 def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
