@@ -168,4 +168,4 @@ def test_drafting_pauses_after_a_window_that_lost_and_resumes_after_one_that_pai
     batch.costs.observe(4, 0.010)
     assert batch.should_draft(4) and not batch.should_draft(2)   # a smaller batch: its plain step measured first
     batch.observe_verify(32, 64, 40)
-    assert batch.verdict[0] == 32 and batch.verdict[2] == pytest.approx(40 * 0.010 / 32)
+    assert batch.window_requests == 32 and batch.window_plain_s == pytest.approx(40 * 0.010 / 32)

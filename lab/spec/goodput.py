@@ -31,6 +31,7 @@ Owns: the cost and acceptance statistics and the choice. Ignores: drafting, veri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CONFIDENCE_BINS = 10
@@ -117,7 +118,8 @@ class AcceptanceModel:
             entry[1] += 1
 
 
-def choose(base_rows: int, chances: list[list[float]], cost, draft_seconds: float) -> list[int]:
+def choose(base_rows: int, chances: list[list[float]], cost: Callable[[int], float],
+           draft_seconds: float) -> list[int]:
     """How many drafts each request verifies. base_rows: the step's rows without drafts; chances[r][i]: the chance
     request r's drafts 0..i are all accepted (non-increasing in i); cost(rows) -> seconds. Returns per request n."""
     order = sorted(((chance, position, r) for r, row in enumerate(chances) for position, chance in enumerate(row)),
@@ -147,8 +149,9 @@ class GoodputPolicy:
     num_steps: int = 0               # draft opportunities (steps after which the engine may draft)
     num_steps_paused: int = 0
     paused_until: int = 0
-    verdict: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # this window's request-steps, modelled
-                                     # seconds of its drafted steps, and of plain steps emitting the same tokens
+    window_requests: int = 0         # this window so far: request-steps drafted,
+    window_drafted_s: float = 0.0    #   the modelled seconds of those steps (their drafts included),
+    window_plain_s: float = 0.0      #   and of plain steps emitting the same tokens
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether to draft for the next step of `num_requests` requests: not before a plain step of at most that
@@ -168,13 +171,13 @@ class GoodputPolicy:
         plain, verify = self.costs.cost(num_requests), self.costs.cost(rows)
         if plain is None or verify is None:
             return
-        self.verdict[0] += num_requests
-        self.verdict[1] += verify + self.draft_seconds
-        self.verdict[2] += num_tokens * plain / num_requests
-        if self.verdict[0] >= self.window:
-            if self.verdict[1] > self.verdict[2]:
+        self.window_requests += num_requests
+        self.window_drafted_s += verify + self.draft_seconds
+        self.window_plain_s += num_tokens * plain / num_requests
+        if self.window_requests >= self.window:
+            if self.window_drafted_s > self.window_plain_s:
                 self.paused_until = self.num_steps + self.pause
-            self.verdict = [0.0, 0.0, 0.0]
+            self.window_requests, self.window_drafted_s, self.window_plain_s = 0, 0.0, 0.0
 
     def observe_draft(self, seconds: float) -> None:
         previous = self.draft_seconds
