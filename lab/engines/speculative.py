@@ -15,14 +15,13 @@ before it counted; under a grammar, the tokens it forces are drafted (`grammar_d
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import torch
 
 from lab.engines.ar import AREngine
 from lab.engines.base import Engine
-from lab.engines.continuous import ContinuousBatchingEngine, StepBatch, _phase_name
+from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
 from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
@@ -79,7 +78,6 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             raise LabError(f"engine.draft_policy must be one of {sorted(DRAFT_POLICIES)}, got {draft_policy!r}",
                            "use 'static' (verify every draft the proposer keeps) or 'goodput' (keep the drafts worth "
                            "their verify rows, learnt online)")
-        self.draft_policy = draft_policy
         if num_spec_tokens < 0:
             raise LabError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}", "use 0 (off) to 8")
         self.num_spec_tokens = num_spec_tokens   # the most drafted per request; the schedule picks per step
@@ -249,7 +247,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if not ready:
             return
         self._drafted_last_step = True
-        start = time.perf_counter()
+        draft_s = self.phases.seconds["draft"]
         with self.phases.phase("draft", num_tokens=len(ready) * num_spec_tokens):
             drafts = self.proposer.propose(ready, num_spec_tokens, [self.generator_for(r) for r in ready])
         kept: list[tuple[Request, Draft]] = []
@@ -264,7 +262,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 draft.forced = is_forced
                 kept.append((request, draft))
         if self.goodput is not None:
-            self.goodput.observe_draft(time.perf_counter() - start)
+            self.goodput.observe_draft(self.phases.seconds["draft"] - draft_s)
             self._fit_to_goodput(kept)
         for request, draft in kept:
             if draft.token_ids:
@@ -287,11 +285,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
     def _execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         if self.goodput is None:
             return super()._execute(out)
-        start = time.perf_counter()
+        decode_s, decode_steps = self.phases.seconds["decode"], self.phases.steps["decode"]
         sampled = super()._execute(out)
-        if _phase_name(out) == "decode":   # NOTE: what a verify step of this many rows costs here (goodput policy)
+        if self.phases.steps["decode"] > decode_steps:   # NOTE: a pure decode / verify step: what its rows cost here
             rows = out.total_num_scheduled_tokens
-            self.goodput.costs.observe(rows, time.perf_counter() - start)
+            self.goodput.costs.observe(rows, self.phases.seconds["decode"] - decode_s)
             if self._drafted_last_step:
                 self.goodput.observe_verify(len(sampled), rows, sum(
                     len(tokens) if isinstance(tokens, list) else 1 for tokens in sampled.values()))

@@ -251,8 +251,8 @@ static int g_blocks_avx512 = -1;   // -1: not decided yet; 0: AVX2; 1: AVX-512
 
 // mode -1: ask; 0: AVX2 only; 1: AVX-512 where the CPU has it. Returns whether AVX-512 is used from now on.
 bool blocks_avx512(int64_t mode) {
-  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
-  if (mode >= 0 || g_blocks_avx512 < 0) g_blocks_avx512 = (mode != 0) && has;
+  if (mode >= 0 || g_blocks_avx512 < 0)
+    g_blocks_avx512 = mode != 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
   return g_blocks_avx512 == 1;
 }
 

@@ -168,9 +168,10 @@ class GoodputPolicy:
         """A decode step that followed a draft: `num_requests` requests, `rows` query rows, `num_tokens` emitted.
         Against plain steps emitting as many tokens at the modelled costs (draft included): a window of
         `window` request-steps that took longer pauses drafting for `pause` steps."""
-        plain, verify = self.costs.cost(num_requests), self.costs.cost(rows)
-        if plain is None or verify is None:
+        table = self.costs.estimates()
+        if not table:
             return
+        plain, verify = interpolate(table, num_requests), interpolate(table, rows)
         self.window_requests += num_requests
         self.window_drafted_s += verify + self.draft_seconds
         self.window_plain_s += num_tokens * plain / num_requests
