@@ -227,3 +227,23 @@ def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) ->
     if proposer.startswith("dflash"):   # NOTE: its block forward replays graphs of its own (lab/spec/dflash_graphs.py)
         assert stats["spec/draft_graph_replays"] == stats["spec/draft_forwards"] > 0
     assert outputs["cuda"] == outputs["off"]
+
+
+def test_a_cpu_runner_leaves_the_cuda_attention_backends_alone(tiny_runner: ModelRunner) -> None:
+    assert tiny_runner.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.gpu
+def test_eager_verify_steps_never_build_cudnn_attention_plans() -> None:
+    """cuDNN's fused attention builds a host-side plan per shape (2.8 ms a call on the H200): eager steps, whose
+    shapes change every step, must take a planless kernel instead."""
+    source = tiny(seed=0, vocab_size=128, with_tokenizer=False)
+    runner = ModelRunner(source, dtype="bfloat16", device="cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    engine = spec_graph_engine(runner, _spec_proposers(source)["dflash"], "off", 4)
+    prompts = [p * 2 for p in random_prompts(3, runner.vocab_size, seed=5, max_len=12)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.run(make_requests(prompts, 8, ignore_eos=True))
+    names = {event.name for event in prof.events()}
+    assert any("scaled_dot_product" in name for name in names)
+    assert not any("cudnn_attention" in name for name in names)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lab.errors import LabError
 from lab.kv_cache.block_kv import BlockKVCache, StepIndex
@@ -34,6 +35,10 @@ from lab.kv_cache.static_decode import StaticDecodeView
 
 MODES = ("auto", "cuda", "eager", "off")
 T = TypeVar("T")
+# NOTE: eager steps keep cuDNN's fused attention off (lab/runner/device.py: a host-side plan per shape); a graph
+# pays that plan once, at capture, and its replays run cuDNN's kernels, the fastest here on the H200.
+GRAPH_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -69,13 +74,14 @@ def capture(forward: Callable[[], T], device: torch.device, pool: object) -> tup
     runs off the capture (lazy inits, cuBLAS workspaces, autotuning) -> (the graph, its output buffers)."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = forward()
+    with sdpa_kernel(GRAPH_ATTENTION):
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = forward()
     torch.cuda.synchronize(device)
     return graph, outputs
 

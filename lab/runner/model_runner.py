@@ -17,7 +17,7 @@ from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
 from lab.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import ModelSource
-from lab.runner.device import resolve_device, resolve_dtype
+from lab.runner.device import avoid_per_shape_attention_plans, resolve_device, resolve_dtype
 
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class ModelRunner:
         self.source = source
         self.model_id = source.model_id
         self.device = resolve_device(device)
+        avoid_per_shape_attention_plans(self.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.config = DecoderConfig.from_hf(source.hf_config)
         model = DecoderModel(self.config, source.hf_config)
