@@ -121,7 +121,8 @@ def split_workload(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 def build_runner(cfg: DictConfig) -> ModelRunner:
     source = instantiate(cfg.model.source)
     return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len,
-                       weight_blocks=cfg.model.get("weight_blocks", "auto"))
+                       weight_blocks=cfg.model.get("weight_blocks", "auto"),
+                       block_rows=cfg.model.get("block_rows", "auto"))
 
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:
@@ -263,6 +264,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,
+            "weight_blocks_max_rows": runner.model.block_max_rows if runner.block_linears else 0,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)

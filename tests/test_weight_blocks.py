@@ -12,8 +12,8 @@ from lab.engines.continuous import ContinuousBatchingEngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
-from lab.models import native_gemv, weight_blocks
-from lab.models.packed_linear import BLOCK_MAX_ROWS, PackedLinear
+from lab.models import block_rows, native_gemv, weight_blocks
+from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
@@ -94,13 +94,24 @@ def test_block_gemv_names_bad_input() -> None:
         native_gemv.gemv(torch.randn(65, 64), blocks)
 
 
+def block_source():
+    """A tiny model made of blocks (tied head: Q8_0, projections: Q4_1)."""
+    return tiny(seed=1, num_hidden_layers=3, with_tokenizer=False, vocab_size=256, tie_word_embeddings=True,
+                gguf_blocks=True)
+
+
 @pytest.fixture(scope="module")
 def block_runners() -> tuple[ModelRunner, ModelRunner]:
-    """A tiny model made of blocks (tied head: Q8_0, projections: Q4_1), streaming them and not."""
-    source = tiny(seed=1, num_hidden_layers=3, with_tokenizer=False, vocab_size=256, tie_word_embeddings=True,
-                  gguf_blocks=True)
-    return (ModelRunner(source, dtype="float32", device="cpu"),
+    """block_source streaming its blocks in forwards of up to BLOCK_MAX_ROWS rows, and not at all."""
+    source = block_source()
+    return (ModelRunner(source, dtype="float32", device="cpu", block_rows=BLOCK_MAX_ROWS),
             ModelRunner(source, dtype="float32", device="cpu", weight_blocks="off"))
+
+
+@pytest.fixture(scope="module")
+def wide_block_runner() -> ModelRunner:
+    """block_source streaming its blocks in every forward the native GEMV serves (up to NATIVE_MAX_ROWS rows)."""
+    return ModelRunner(block_source(), dtype="float32", device="cpu", block_rows=NATIVE_MAX_ROWS)
 
 
 @needs_kernel
@@ -138,8 +149,62 @@ def test_a_model_made_of_blocks_streams_them_and_decodes_bit_identically(
 
 
 @needs_kernel
-def test_engines_on_blocks_equal_hf_greedy(block_runners: tuple[ModelRunner, ModelRunner]) -> None:
-    runner = block_runners[0]
+def test_steps_of_up_to_12_rows_stream_blocks_where_asked_and_stay_bit_identical(
+        block_runners: tuple[ModelRunner, ModelRunner], wide_block_runner: ModelRunner) -> None:
+    wide, fp32 = wide_block_runner, block_runners[1]
+    assert wide.model.block_max_rows == NATIVE_MAX_ROWS
+    assert all(layer[i].dtype == torch.uint8 for layer in wide.model._native_decode_layers(NATIVE_MAX_ROWS)
+               for i in (1, 3, 5, 6))
+    assert {m.block_max_rows for m in wide.model.modules() if isinstance(m, PackedLinear)} == {NATIVE_MAX_ROWS}
+    caches = [r.allocate_kv_cache(1, 64) for r in (wide, fp32)]
+    tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    for start, width in ((0, 12), (12, 9), (21, 6), (27, 1)):      # NOTE: prefill-sized and verify-sized steps
+        logits = []
+        for runner, cache in zip((wide, fp32), caches):
+            cache.begin_forward(start, width)
+            logits.append(runner.execute(tokens[:, start:start + width], torch.arange(start, start + width)[None],
+                                         cache, logits_index=None))
+        assert torch.equal(logits[0], logits[1]), (start, width)
+
+
+def test_block_rows_keeps_blocks_up_to_the_last_row_count_where_they_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule on a made-up clock: fp32 costs 1 a row, blocks 0.7 + 0.03 x rows a row, so blocks win at 6 and 8
+    rows and lose at 12; a count after the first loss is not measured."""
+    clock = [0.0]
+    monkeypatch.setattr(block_rows.time, "perf_counter", lambda: clock[0])
+
+    def fake_gemv(x: torch.Tensor, weight: torch.Tensor) -> None:
+        rows = x.shape[0]
+        clock[0] += rows * (1.0 if weight.dtype == torch.float32 else 0.7 + 0.03 * rows)
+
+    monkeypatch.setattr(block_rows.native_gemv, "gemv", fake_gemv)
+    pairs = [(torch.zeros(4, 32), torch.zeros(4, 24, dtype=torch.uint8))] * 6
+    measured = block_rows.measure_block_rows(pairs, floor=5, candidates=(12, 6, 8, 10, 16), reps=2)
+    assert measured.max_rows == 10 and list(measured.speedups) == [6, 8, 10, 12]
+    assert measured.speedups[6] == pytest.approx(1 / 0.88) and measured.speedups[12] < 1
+    assert block_rows.measure_block_rows(pairs, floor=5, candidates=(12,)).max_rows == 5
+
+
+@needs_kernel
+def test_block_rows_auto_measures_at_load() -> None:
+    runner = ModelRunner(block_source(), dtype="float32", device="cpu")
+    assert runner.model.block_max_rows in (BLOCK_MAX_ROWS, *block_rows.CANDIDATE_ROWS)
+    assert {m.block_max_rows for m in runner.model.modules() if isinstance(m, PackedLinear)} == {
+        runner.model.block_max_rows}
+
+
+@pytest.mark.parametrize("value", [0, 13, "fast", 6.5])
+def test_block_rows_setting_is_checked(value: object) -> None:
+    with pytest.raises(LabError, match="model.block_rows") as error:
+        ModelRunner(block_source(), device="cpu", block_rows=value)
+    assert "auto" in error.value.fix and "1 to 12" in error.value.fix
+
+
+@needs_kernel
+@pytest.mark.parametrize("wide", [False, True], ids=["blocks to 5 rows", "blocks to 12 rows"])
+def test_engines_on_blocks_equal_hf_greedy(block_runners: tuple[ModelRunner, ModelRunner],
+                                           wide_block_runner: ModelRunner, wide: bool) -> None:
+    runner = wide_block_runner if wide else block_runners[0]
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (5, 17, 30)]
     references = [hf_greedy(runner, p, 20) for p in prompts]

@@ -118,6 +118,7 @@ class DecoderModel(nn.Module):
         self._fused_block_layers: list[list[torch.Tensor]] | None = None   # the same with GGUF blocks, if any
         # NOTE: False for a tensor-parallel shard: the one-call native paths have no all-reduce between the layers
         self.allow_fused_layers = True
+        self.block_max_rows = BLOCK_MAX_ROWS   # steps of up to this many tokens stream GGUF blocks (use_block_weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
@@ -160,7 +161,7 @@ class DecoderModel(nn.Module):
     def _native_decode_layers(self, rows: int = 1) -> list[list[torch.Tensor]] | None:
         """Per layer the 7 tensors native_gemv.decode_layers reads for a step of `rows` tokens, or None where the
         fused path cannot run (q/k norms, non-fp32 weights, a weight not row-major, a tensor-parallel shard). Up to
-        BLOCK_MAX_ROWS rows a projection that streams GGUF blocks gives its blocks, taken when the list is built:
+        block_max_rows rows a projection that streams GGUF blocks gives its blocks, taken when the list is built:
         call use_block_weights again after changing a weight in place."""
         if not self.allow_fused_layers:
             return None
@@ -179,7 +180,7 @@ class DecoderModel(nn.Module):
             self._fused_block_layers = self._with_blocks(layers) if fits else None
         if not self._fused_layers:
             return None
-        if rows <= BLOCK_MAX_ROWS and self._fused_block_layers is not None:
+        if rows <= self.block_max_rows and self._fused_block_layers is not None:
             return self._fused_block_layers
         return self._fused_layers
 
@@ -225,8 +226,23 @@ class DecoderModel(nn.Module):
         calls, the native kernel): bit-identical, a fifth of the bytes (lab/models/weight_blocks.py). Call after
         pack_linear_weights. Returns (linears streaming blocks, linears)."""
         counts = use_block_weights(self)
+        self.set_block_max_rows(self.block_max_rows)
         self._fused_layers = None
         return counts
+
+    def set_block_max_rows(self, rows: int) -> None:
+        """Calls and steps of up to `rows` rows stream GGUF blocks (bit-identical either way: a speed choice)."""
+        if not 1 <= rows <= NATIVE_MAX_ROWS:
+            raise ValueError(f"GGUF blocks serve 1 to {NATIVE_MAX_ROWS} rows (the native GEMV's), not {rows}")
+        self.block_max_rows = rows
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.block_max_rows = rows
+
+    def block_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fp32 weight, its GGUF blocks) of every projection streaming blocks, in layer order."""
+        linears = (m for m in self.modules() if isinstance(m, PackedLinear))
+        return [(m.weight, blocks) for m in linears if (blocks := m.fresh_blocks()) is not None]
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load HF parameter names (model.layers.N.self_attn.q_proj.weight, ...) into the fused layout."""

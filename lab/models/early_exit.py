@@ -30,6 +30,7 @@ class EarlyExitModel(nn.Module):
         self._fused_layers: list[list[torch.Tensor]] | None = None
         self._fused_block_layers: list[list[torch.Tensor]] | None = None
         self.allow_fused_layers = model.allow_fused_layers
+        self.block_max_rows = model.block_max_rows
 
     # NOTE: the target's forward over fewer layers, its one-call native paths included
     forward = DecoderModel.forward

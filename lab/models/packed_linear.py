@@ -39,9 +39,10 @@ PACK_BATCH_HINT = 64
 # NOTE: the native kernel reads each weight once for all rows; it stays ahead of oneDNN up to ~12 rows here
 # (2.5-3.9 one-row calls at 12 against 3.1-3.9; even at 16, behind at 24): a verify step of 4 requests x 3.
 NATIVE_MAX_ROWS = 12
-# NOTE: GGUF blocks (use_block_weights) serve up to this many rows: widening a block costs more arithmetic than its
-# product, so from a few rows the fp32 weights' sweep catches up (experiments/bench_gemv.py --blocks, 1 thread:
-# SmolLM2's projections 1.5-1.8x faster on blocks at 1-3 rows, 1.0-1.3x at 4-5, 0.9-1.1x at 8-12).
+# NOTE: GGUF blocks (use_block_weights) serve at least this many rows: widening a block costs arithmetic that grows
+# with the rows, so from a few rows the fp32 weights' sweep may catch up (experiments/bench_gemv.py --blocks, 1
+# thread: SmolLM2's projections 1.5-2.3x faster on blocks at 1-5 rows on every machine so far; 0.9-1.35x at 6-12,
+# by machine). ModelRunner measures how far past it blocks still pay here (lab/models/block_rows.py).
 BLOCK_MAX_ROWS = 5
 
 
@@ -71,6 +72,7 @@ class PackedLinear(nn.Linear):
     _half_key: tuple[int, int] = (0, -1)
     blocks: torch.Tensor | None = None       # the weight's exact GGUF blocks for the few-row GEMV (use_block_weights)
     _blocks_key: tuple[int, int] = (0, -1)
+    block_max_rows: int = BLOCK_MAX_ROWS     # calls of up to this many rows stream `blocks`
 
     def pack(self, backend: GemmBackend | None = None, batch_hint: int = PACK_BATCH_HINT) -> None:
         backend = backend or default_backend()
@@ -104,7 +106,7 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
         blocks = self.fresh_blocks()
-        if (blocks is not None and 0 < x.numel() <= BLOCK_MAX_ROWS * self.in_features
+        if (blocks is not None and 0 < x.numel() <= self.block_max_rows * self.in_features
                 and native_gemv.usable(x, weight, self.bias)):
             return native_gemv.gemv(x, blocks, self.bias)      # NOTE: bit-identical to the fp32 weight's GEMV
         if self.half_copy_serves(x):
@@ -192,7 +194,8 @@ def unpack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
-            for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key", "blocks", "_blocks_key"):
+            for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key", "blocks", "_blocks_key",
+                         "block_max_rows"):
                 module.__dict__.pop(name, None)
             count += 1
     return count

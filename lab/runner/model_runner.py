@@ -13,9 +13,10 @@ import torch
 from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
 from lab.models import native_gemv
+from lab.models.block_rows import measure_block_rows
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
-from lab.models.packed_linear import PackedLinear, can_pack, pack_linear_weights
+from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import ModelSource
 from lab.runner.device import avoid_per_shape_attention_plans, resolve_device, resolve_dtype
 
@@ -34,13 +35,20 @@ def _as_id_set(value: Any) -> set[int]:
 
 class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto") -> None:
+                 max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto",
+                 block_rows: int | str = "auto") -> None:
         """`weight_blocks`: "auto" streams every projection whose fp32 weights are exactly GGUF block values (the
         bundled SmolLM2's are: it is a Q4_1 GGUF) as those blocks in few-row forwards, bit-identically
-        (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs)."""
+        (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs). `block_rows`: the most rows such a
+        forward may have, "auto" = measured here at load (lab/models/block_rows.py), or an integer from 1 to 12."""
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
                            "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
+        if block_rows != "auto" and not (isinstance(block_rows, int) and 1 <= block_rows <= NATIVE_MAX_ROWS):
+            raise LabError(f"model.block_rows={block_rows!r} is neither auto nor an integer from 1 to "
+                           f"{NATIVE_MAX_ROWS} (the rows the native GEMV, which GGUF blocks feed, serves)",
+                           f"use model.block_rows=auto (measured here at load) or an integer from 1 to "
+                           f"{NATIVE_MAX_ROWS}")
         self.source = source
         self.model_id = source.model_id
         self.device = resolve_device(device)
@@ -63,9 +71,10 @@ class ModelRunner:
         if weight_blocks == "auto" and can_pack(self.device, self.dtype) and native_gemv.AVAILABLE:
             self.block_linears, linears = self.model.use_block_weights()
             if self.block_linears:
+                self.model.set_block_max_rows(self._block_rows(block_rows))
                 log.info("streaming %d of %d linears as their exact GGUF blocks (%.0f MB a decode step instead of "
-                         "%.0f)", self.block_linears, linears, self.streamed_weight_bytes / 2**20,
-                         self.weight_bytes / 2**20)
+                         "%.0f) in forwards of up to %d rows", self.block_linears, linears,
+                         self.streamed_weight_bytes / 2**20, self.weight_bytes / 2**20, self.model.block_max_rows)
         self.tokenizer = source.tokenizer
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -73,6 +82,15 @@ class ModelRunner:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self._hf_model: torch.nn.Module | None = None
+
+    def _block_rows(self, block_rows: int | str) -> int:
+        if block_rows != "auto":
+            return int(block_rows)
+        measured = measure_block_rows(self.model.block_pairs(), BLOCK_MAX_ROWS)
+        log.info("GGUF blocks against fp32 weights here, by rows: %s (%.2f s): blocks up to %d rows",
+                 ", ".join(f"{rows}: {s:.2f}x" for rows, s in measured.speedups.items()), measured.seconds,
+                 measured.max_rows)
+        return measured.max_rows
 
     @property
     def vocab_size(self) -> int:
