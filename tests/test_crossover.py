@@ -125,4 +125,4 @@ def test_the_adaptive_dflash_engine_drafts_by_batch_size() -> None:
     dflash = compose_cfg(["+experiment=crossover", "engine=dflash"])
     assert cfg.engine.name == "dflash_adaptive" and cfg.engine.proposer.checkpoint == dflash.engine.proposer.checkpoint
     schedule = SpecSchedule.build(cfg.engine.num_spec_tokens, cfg.engine.num_spec_tokens_by_batch_size)
-    assert [schedule.num_spec_tokens(n) for n in (1, 2, 3, 4, 5, 32)] == [2, 2, 1, 1, 0, 0]
+    assert [schedule.num_spec_tokens(n) for n in (1, 2, 3, 4, 5, 32)] == [2, 0, 0, 0, 0, 0]
