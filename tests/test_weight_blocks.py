@@ -193,7 +193,7 @@ def test_block_rows_auto_measures_at_load() -> None:
         runner.model.block_max_rows}
 
 
-@pytest.mark.parametrize("value", [0, 13, "fast", 6.5])
+@pytest.mark.parametrize("value", [0, 13, "fast", 6.5, True])
 def test_block_rows_setting_is_checked(value: object) -> None:
     with pytest.raises(LabError, match="model.block_rows") as error:
         ModelRunner(block_source(), device="cpu", block_rows=value)

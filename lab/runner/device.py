@@ -38,7 +38,8 @@ def avoid_per_shape_attention_plans(device: torch.device) -> None:
     NOTE: cuDNN builds an execution plan on the host for every new attention shape: 2.8 ms a call on the H200
     (session 33's profile of an eager k = 7 verify step: 31 calls, 86 ms of a 101 ms step, against 18.9 ms for a
     plain step). Eager steps change shape every step (context length, verify width), so they paid it in every
-    layer. FlashAttention and the memory-efficient kernel need no plan; graphed steps take them as well."""
+    layer. The other backends need no plan. Graph capture turns cuDNN back on (lab/runner/cuda_graphs.py: capture):
+    a graph builds its plans once and its replays keep cuDNN's kernels."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -44,7 +44,8 @@ class ModelRunner:
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
                            "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
-        if block_rows != "auto" and not (isinstance(block_rows, int) and 1 <= block_rows <= NATIVE_MAX_ROWS):
+        if block_rows != "auto" and (isinstance(block_rows, bool) or not isinstance(block_rows, int)
+                                     or not 1 <= block_rows <= NATIVE_MAX_ROWS):
             raise LabError(f"model.block_rows={block_rows!r} is neither auto nor an integer from 1 to "
                            f"{NATIVE_MAX_ROWS} (the rows the native GEMV, which GGUF blocks feed, serves)",
                            f"use model.block_rows=auto (measured here at load) or an integer from 1 to "
