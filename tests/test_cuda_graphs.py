@@ -229,8 +229,15 @@ def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) ->
     assert outputs["cuda"] == outputs["off"]
 
 
-def test_a_cpu_runner_leaves_the_cuda_attention_backends_alone(tiny_runner: ModelRunner) -> None:
-    assert tiny_runner.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+def test_a_cpu_runner_leaves_the_cuda_attention_backends_alone() -> None:
+    """Only a CUDA runner turns cuDNN's attention off (process-wide); set here first, as earlier CUDA tests clear it."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        runner = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
+        assert runner.device.type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 @pytest.mark.gpu
