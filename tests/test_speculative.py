@@ -79,6 +79,32 @@ def test_greedy_speculation_is_lossless_on_tiny(proposer: str, max_num_seqs: int
         assert stats["spec_decode_acceptance_rate"] < 50.0
 
 
+@pytest.mark.parametrize("proposer", ["draft_equals_target", "random_draft"])
+def test_verify_steps_grouped_by_the_fast_backend_are_lossless(proposer: str, tiny_source, tiny_runner: ModelRunner,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `fast` backend (a GPU's) attends side-by-side verify steps of equal length in one SDPA call: at batch 4
+    the output is still `ar`'s, and most steps were grouped."""
+    import lab.kv_cache.split_attention as split_attention
+
+    grouped: list[int] = []
+    prepare_group = split_attention.SplitAttention._prepare_group
+
+    def recording(cache, index, start: int, end: int):
+        meta = prepare_group(cache, index, start, end)
+        grouped.append(meta.num_seqs if meta.num_query > 1 else 0)
+        return meta
+
+    monkeypatch.setattr(split_attention.SplitAttention, "_prepare_group", staticmethod(recording))
+    prompts = _repetitive_prompts(6, seed=3)
+    expected = _ar_outputs(tiny_runner, prompts, 20)
+    kv = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None, attention="fast")
+    engine = SpeculativeEngine(tiny_runner, _proposers(tiny_source)[proposer], num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache=kv)
+    result = engine.run(make_requests(prompts, 20, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected, f"{proposer} changed the output"
+    assert max(grouped) == 4, f"verify groups of {sorted(set(grouped))} requests"
+
+
 @pytest.mark.parametrize("proposer", ["draft_model", "layerskip"])
 def test_drafting_at_the_end_of_the_context_is_lossless(proposer: str) -> None:
     """prompt + max_tokens fills a 48-position model: near the end the drafter still runs k = 4 drafts, some past

@@ -97,18 +97,14 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return F.scaled_dot_product_attention(q[:, None], k, v)[:, 0]
 
 
-@pytest.mark.parametrize("backend", ["native", "gather", "fast"])
-def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> None:
-    """A decode, a tree of 6 tokens (root; a chain of 2; 3 runners-up), a chain verify, a prefill chunk and a tree
-    after it (which `native` leaves to SDPA with the chunk): every token's output is plain attention over the
-    context, its ancestors and itself."""
+def _attend(backend: str, seqs: list[SeqSlice]) -> tuple[BlockKVCache, torch.Tensor]:
+    """One layer's attention over `seqs` in a fresh 40-block cache of random keys (6 query heads, 2 KV heads):
+    the cache and every query token's output (N, Hq, D), each checked against plain attention over the context,
+    its ancestors and itself."""
     if backend == "native" and load_kernel() is None:
         pytest.skip("the native kernels need a compiler and AVX2")
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 40
-    tree = (0, 1, 0, 0, 0)
-    seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3),
-            SeqSlice([20, 21, 22, 23, 24], 6, 12), SeqSlice([30, 31], 2, 4, (0, 0, 1))]
     num_tokens = sum(s.num_query_tokens for s in seqs)
     q = torch.randn(1, num_tokens, heads, head_dim, generator=generator)
     k = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
@@ -118,11 +114,6 @@ def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> N
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=stores))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=stores))
     cache.begin_step(seqs)
-    # NOTE: the trees' positions by depth
-    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8, *range(6, 18), 2, 3, 3, 4]
-    if backend == "native":
-        assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == 10
-        assert cache._meta.hidden.tolist()[1:7] == tree_layout(tree)[1] and len(cache._meta.chunks.chunks) == 2
     out = cache.attend(0, q, k, v)[0]                                                       # (N, Hq, D)
 
     def stored(seq: SeqSlice, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +135,39 @@ def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> N
             keys, values = stored(seq, positions)
             torch.testing.assert_close(out[row], _reference(q[0, row], keys, values), atol=1e-5, rtol=1e-5)
             row += 1
+    return cache, out
+
+
+@pytest.mark.parametrize("backend", ["native", "gather", "fast"])
+def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> None:
+    """A decode, a tree of 6 tokens (root; a chain of 2; 3 runners-up), a chain verify, a prefill chunk and a tree
+    after it (which `native` leaves to SDPA with the chunk): every token's output is plain attention over the
+    context, its ancestors and itself."""
+    tree = (0, 1, 0, 0, 0)
+    seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3),
+            SeqSlice([20, 21, 22, 23, 24], 6, 12), SeqSlice([30, 31], 2, 4, (0, 0, 1))]
+    cache, _ = _attend(backend, seqs)
+    # NOTE: the trees' positions by depth
+    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8, *range(6, 18), 2, 3, 3, 4]
+    if backend == "native":
+        assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == 10
+        assert cache._meta.hidden.tolist()[1:7] == tree_layout(tree)[1] and len(cache._meta.chunks.chunks) == 2
+
+
+@pytest.mark.parametrize("backend", ["native", "gather", "fast"])
+def test_side_by_side_verify_steps_attend_as_one_group(backend: str) -> None:
+    """Verify steps of a batch (chains of 3 over contexts of several blocks, trees of 6, chains of 2 within one
+    block each): `fast` attends each run of equal query lengths in one SDPA call, with the query heads folded over
+    the mask, and every token still sees exactly its context, its ancestors and itself."""
+    tree = (0, 1, 0, 0, 0)
+    seqs = [SeqSlice([1, 2, 3], 9, 3), SeqSlice([4, 5], 5, 3), SeqSlice([6, 7, 8, 10], 12, 3),
+            SeqSlice([13, 14, 15], 3, 6, tree), SeqSlice([16, 17, 18], 5, 6, tree),
+            SeqSlice([22], 1, 2), SeqSlice([23], 2, 2), SeqSlice([25, 26, 27], 7, 4)]
+    cache, _ = _attend(backend, seqs)
+    if backend == "fast":
+        groups = [(g.num_seqs, g.num_query, g.mode) for g in cache._meta.groups]
+        assert groups == [(3, 3, "gather"), (2, 6, "gather"), (2, 2, "view")]
+        assert [(c.q_start, c.q_end) for c in cache._meta.chunks] == [(25, 29)], "a lone verify keeps its own call"
 
 
 @pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")

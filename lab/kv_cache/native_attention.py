@@ -92,7 +92,7 @@ class NativeAttention:
     def kernel_rows(self, meta: NativeMeta | SplitMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(tables, lens) of paged_decode's rows when the step has no chunk for SplitAttention, every token a
         kernel row (decodes, verify steps); else None."""
-        if isinstance(meta, NativeMeta) and meta.num_rows and not meta.chunks.decodes and not meta.chunks.chunks:
+        if isinstance(meta, NativeMeta) and meta.num_rows and not meta.chunks.groups and not meta.chunks.chunks:
             return meta.tables, meta.lens
         return None
 

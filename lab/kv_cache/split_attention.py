@@ -1,13 +1,16 @@
-"""SplitAttention, the `fast` backend: decodes batched, prefill chunks one by one.
+"""SplitAttention, the `fast` backend: few-token queries batched, prefill chunks one by one.
 
-Single-token queries (decodes) go through one SDPA call per group, with the G query heads of a KV group
-folded into the query axis so each KV head is read once. Keys that sit in one block per request (every
-slot) are read through a strided view, no copy. Otherwise whole blocks are gathered into a workspace
-that every layer reuses, and decodes of very different lengths are split into a few groups, so a short
-request is not padded to the longest one (see `split_decode_groups`).
+Requests that each feed the same few tokens (decodes: 1; verify steps: k + 1) and sit side by side in the
+flat batch go through one SDPA call per group, with the G query heads of a KV group folded into the query
+axis (as G x T rows against the mask tiled G times) so each KV head is read once and no backend has to
+repeat the keys for GQA. Keys that sit in one block per request (every slot) are read through a strided
+view, no copy. Otherwise whole blocks are gathered into a workspace that every layer reuses, and requests
+of very different lengths are split into a few groups, so a short request is not padded to the longest one
+(see `split_decode_groups`).
 
 A fresh prompt chunk attends causally to its own new keys, the same call `ar` makes. A continued chunk
-(chunked prefill or a prefix-cache hit) reads its context from its blocks under a causal mask.
+(chunked prefill or a prefix-cache hit), or a lone verify step, reads its context from its blocks under a
+causal mask.
 
 Owns: the fast attention math over blocks. Ignores: which request a block belongs to.
 """
@@ -23,23 +26,30 @@ import torch.nn.functional as F
 from lab.kv_cache.tree_mask import hidden_keys
 
 if TYPE_CHECKING:
-    from lab.kv_cache.block_kv import BlockKVCache, StepIndex
+    from lab.kv_cache.block_kv import BlockKVCache, SeqSlice, StepIndex
 
-# NOTE: one more decode group costs two gathers and an SDPA call per layer; counted as the bytes of
-# this much extra KV read when deciding whether a split pays.
+# NOTE: one more group costs two gathers and an SDPA call per layer; counted as the bytes of this much
+# extra KV read when deciding whether a split pays.
 GROUP_OVERHEAD_BYTES = 256 * 1024
+# NOTE: requests feeding 2..this many tokens with a context (verify steps, a tree of drafts) are batched like
+# decodes when two or more sit side by side; longer chunks (prefill) keep one causal SDPA call each.
+MAX_GROUPED_QUERY_TOKENS = 16
 
 
 @dataclass(slots=True)
-class DecodeMeta:
+class GroupMeta:
+    """Requests that each feed `num_query` tokens (decodes: 1), attended in one SDPA call."""
+
     row_start: int              # first flat-batch row of this group
-    num_seqs: int               # B decodes in the group
+    num_seqs: int               # B requests in the group
+    num_query: int              # T tokens each
     num_keys: int               # S, padded key length
-    mask: torch.Tensor          # (rows, 1, 1, S)
+    mask: torch.Tensor          # (rows, 1, T, S): token t of a row sees key s
     mode: str                   # "view": slice of consecutive blocks; "select": one block each; "gather"
-    block_ids: torch.Tensor     # view: (B,) row of each decode in the slice; select: (B,); gather: (B*nb,)
+    block_ids: torch.Tensor     # view: (B,) row of each request in the slice; select: (B,); gather: (B*nb,)
     first_block: int = 0
     num_rows: int = 0           # view: blocks in the slice
+    folded_mask: torch.Tensor | None = None   # (rows, 1, G*T, S), the mask tiled over the G folded query heads
 
 
 @dataclass(slots=True)
@@ -50,11 +60,12 @@ class ChunkMeta:
     block_ids: torch.Tensor | None   # None: a fresh prompt, attends to its own new keys
     mask: torch.Tensor | None        # (1, 1, T, context + T)
     single_block: int = -1           # the block holding all its keys, when there is one (no copy)
+    folded_mask: torch.Tensor | None = None   # (1, 1, G*T, S), the mask tiled over the G folded query heads
 
 
 @dataclass(slots=True)
 class SplitMeta:
-    decodes: list[DecodeMeta]
+    groups: list[GroupMeta]
     chunks: list[ChunkMeta]
 
 
@@ -82,47 +93,52 @@ class SplitAttention:
         self._workspace: torch.Tensor | None = None   # flat buffer for gathered decode keys and values
 
     def prepare(self, cache: BlockKVCache, index: StepIndex) -> SplitMeta:
-        num_decodes = 0
-        for seq in index.seqs:
-            if seq.num_query_tokens != 1:
-                break
-            num_decodes += 1
-        decodes = []
-        if num_decodes:
-            bs = cache.block_size
-            padded = [-(-(s.num_context_tokens + 1) // bs) * bs for s in index.seqs[:num_decodes]]
+        groups: list[GroupMeta] = []
+        chunks: list[ChunkMeta] = []
+        for start, end in _runs_of_equal_queries(index.seqs):
+            if end - start == 1 and index.seqs[start].num_query_tokens > 1:
+                chunks.append(self._prepare_chunk(cache, index, start))
+                continue
+            bs, num_query = cache.block_size, index.seqs[start].num_query_tokens
+            padded = [-(-(s.num_context_tokens + num_query) // bs) * bs for s in index.seqs[start:end]]
             if max(padded) == bs:   # one block each (every slot): one group, read without copies
-                groups = [(0, num_decodes)]
+                cuts = [(start, end)]
             else:
                 bytes_per_key = 2 * cache.num_kv_heads * cache.head_dim * cache.k[0].element_size()
-                groups = split_decode_groups(padded, GROUP_OVERHEAD_BYTES // bytes_per_key)
-            decodes = [self._prepare_decode(cache, index, start, end) for start, end in groups]
-        chunks = [self._prepare_chunk(cache, index, i) for i in range(num_decodes, len(index.seqs))]
-        return SplitMeta(decodes, chunks)
+                cuts = [(start + a, start + b)
+                        for a, b in split_decode_groups(padded, GROUP_OVERHEAD_BYTES // bytes_per_key)]
+            groups += [self._prepare_group(cache, index, a, b) for a, b in cuts]
+        return SplitMeta(groups, chunks)
 
     @staticmethod
-    def _prepare_decode(cache: BlockKVCache, index: StepIndex, start: int, end: int) -> DecodeMeta:
+    def _prepare_group(cache: BlockKVCache, index: StepIndex, start: int, end: int) -> GroupMeta:
         bs, device, num_seqs = cache.block_size, cache.device, end - start
-        lens = index.context_lens[start:end] + 1                                             # (B,)
-        num_keys = int(lens.max())
+        num_query = index.seqs[start].num_query_tokens
+        context = index.context_lens[start:end]                                               # (B,)
+        num_keys = int(context.max()) + num_query
         num_blocks = -(-num_keys // bs)
         key_pos = torch.arange(num_keys if num_blocks == 1 else num_blocks * bs)
-        valid = key_pos[None] < lens[:, None]                                                 # (B, S)
+        query_pos = context[:, None] + torch.arange(num_query)                                 # (B, T)
+        visible = key_pos[None, None] <= query_pos[:, :, None]                                 # (B, T, S)
+        for b in range(start, end):   # NOTE: a tree of drafts: a token sees its ancestors only
+            for t, key in hidden_keys(index, b):
+                visible[b - start, t, key] = False
+        row = index.q_start[start]
         if num_blocks > 1:
             block_ids = index.block_tables[start:end, :num_blocks].reshape(-1)               # (B*nb,)
-            return DecodeMeta(start, num_seqs, len(key_pos), valid[:, None, None].to(device), "gather", block_ids)
+            return GroupMeta(row, num_seqs, num_query, len(key_pos), visible[:, None].to(device), "gather", block_ids)
         block_ids = [seq.block_table[0] for seq in index.seqs[start:end]]
         first, last = min(block_ids), max(block_ids)
         # NOTE: a slice over consecutive slots costs no copy; idle slots in it compute a wasted row
         # each, so a sparse set of slots is selected (copied) instead.
         if last - first + 1 <= 2 * num_seqs + 8:
             rows = torch.tensor(block_ids) - first
-            mask = (key_pos == 0).expand(last - first + 1, -1).clone()
-            mask[rows] = valid
-            return DecodeMeta(start, num_seqs, len(key_pos), mask[:, None, None].to(device), "view",
-                              rows.to(device), first, last - first + 1)
-        return DecodeMeta(start, num_seqs, len(key_pos), valid[:, None, None].to(device), "select",
-                          torch.tensor(block_ids, device=device))
+            mask = (key_pos == 0).expand(last - first + 1, num_query, -1).clone()
+            mask[rows] = visible
+            return GroupMeta(row, num_seqs, num_query, len(key_pos), mask[:, None].to(device), "view",
+                             rows.to(device), first, last - first + 1)
+        return GroupMeta(row, num_seqs, num_query, len(key_pos), visible[:, None].to(device), "select",
+                         torch.tensor(block_ids, device=device))
 
     @staticmethod
     def _prepare_chunk(cache: BlockKVCache, index: StepIndex, i: int) -> ChunkMeta:
@@ -144,14 +160,15 @@ class SplitAttention:
                v: torch.Tensor) -> torch.Tensor:
         """q (N, Hq, D), k/v (N, Hkv, D) of this step (already stored) -> (N, Hq, D)."""
         out = torch.empty_like(q)                                                             # (N, Hq, D)
-        for group in meta.decodes:
-            out[group.row_start:group.row_start + group.num_seqs] = self._decode(cache, group, layer_idx, q)
+        for group in meta.groups:
+            rows = slice(group.row_start, group.row_start + group.num_seqs * group.num_query)
+            out[rows] = self._group(cache, group, layer_idx, q[rows])
         for chunk in meta.chunks:
             out[chunk.q_start:chunk.q_end] = _chunk(cache, chunk, layer_idx, q, k, v)
         return out
 
-    def _decode_kv(self, store: torch.Tensor, meta: DecodeMeta, slot: int) -> torch.Tensor:
-        """Keys or values of a decode group as (rows, Hkv, S, D), a strided view where possible."""
+    def _group_kv(self, store: torch.Tensor, meta: GroupMeta, slot: int) -> torch.Tensor:
+        """Keys or values of a group as (rows, Hkv, S, D), a strided view where possible."""
         heads, _, bs, head_dim = store.shape
         if meta.mode == "view":
             return store[:, meta.first_block:meta.first_block + meta.num_rows, :meta.num_keys].transpose(0, 1)
@@ -165,19 +182,54 @@ class SplitAttention:
         torch.index_select(store, 1, meta.block_ids, out=out)
         return out.view(heads, meta.num_seqs, meta.num_keys, head_dim).transpose(0, 1)      # (B, Hkv, S, D)
 
-    def _decode(self, cache: BlockKVCache, meta: DecodeMeta, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        keys = self._decode_kv(cache.k[layer_idx], meta, 0)
-        values = self._decode_kv(cache.v[layer_idx], meta, 1)
-        num_kv_heads, num_heads, head_dim = keys.shape[1], q.shape[1], q.shape[2]
-        rows = q[meta.row_start:meta.row_start + meta.num_seqs]                                # (B, Hq, D)
-        queries = rows.reshape(meta.num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    def _group(self, cache: BlockKVCache, meta: GroupMeta, layer_idx: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows (B*T, Hq, D), the group's queries token by token -> their outputs, the same shape."""
+        keys = self._group_kv(cache.k[layer_idx], meta, 0)
+        values = self._group_kv(cache.v[layer_idx], meta, 1)
+        num_kv_heads, (num_heads, head_dim) = keys.shape[1], rows.shape[1:]
+        group, num_seqs, num_query = num_heads // num_kv_heads, meta.num_seqs, meta.num_query
+        queries = (rows.reshape(num_seqs, num_query, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+                   .reshape(num_seqs, num_kv_heads, group * num_query, head_dim))               # (B, Hkv, G*T, D)
+        if num_query == 1:
+            mask = meta.mask                                                                   # (rows, 1, 1, S)
+        else:
+            if meta.folded_mask is None:   # NOTE: once a step, every layer reuses it
+                meta.folded_mask = _fold_mask(meta.mask, group)
+            mask = meta.folded_mask
         if meta.mode == "view":
             padded = queries.new_zeros((meta.num_rows, *queries.shape[1:]))
             padded[meta.block_ids] = queries
-            out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=meta.mask)[meta.block_ids]
+            out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=mask)[meta.block_ids]
         else:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask)  # (B, Hkv, G, D)
-        return out.reshape(meta.num_seqs, num_heads, head_dim)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)          # (B, Hkv, G*T, D)
+        return (out.view(num_seqs, num_kv_heads, group, num_query, head_dim).permute(0, 3, 1, 2, 4)
+                .reshape(num_seqs * num_query, num_heads, head_dim))
+
+
+def _runs_of_equal_queries(seqs: list[SeqSlice]) -> list[tuple[int, int]]:
+    """The step's requests cut into runs [start, end) in flat-batch order: side-by-side requests feeding the same
+    few tokens (decodes, verify steps) share a run; any other request is a run of its own."""
+    runs: list[tuple[int, int]] = []
+    start = 0
+    while start < len(seqs):
+        end = start + 1
+        if _groupable(seqs[start]):
+            while end < len(seqs) and _groupable(seqs[end]) and \
+                    seqs[end].num_query_tokens == seqs[start].num_query_tokens:
+                end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
+def _groupable(seq: SeqSlice) -> bool:
+    return seq.num_query_tokens == 1 or (seq.num_query_tokens <= MAX_GROUPED_QUERY_TOKENS
+                                         and (seq.num_context_tokens > 0 or seq.tree is not None))
+
+
+def _fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """(rows, 1, T, S) -> (rows, 1, G*T, S): row g*T + t is token t's, for each of the G query heads folded in."""
+    return mask.repeat(1, 1, group, 1)
 
 
 def _chunk(cache: BlockKVCache, chunk: ChunkMeta, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
@@ -186,13 +238,21 @@ def _chunk(cache: BlockKVCache, chunk: ChunkMeta, layer_idx: int, q: torch.Tenso
     if chunk.block_ids is None:
         keys = k[chunk.q_start:chunk.q_end].transpose(0, 1)[None]                            # (1, Hkv, T, D)
         values = v[chunk.q_start:chunk.q_end].transpose(0, 1)[None]
-    else:
-        num_keys = chunk.mask.shape[-1]
-        keys = _chunk_kv(cache.k[layer_idx], chunk, num_keys)
-        values = _chunk_kv(cache.v[layer_idx], chunk, num_keys)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                         enable_gqa=queries.shape[1] != keys.shape[1])      # (1, Hq, T, D)
-    return out[0].transpose(0, 1)                                                            # (T, Hq, D)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                             enable_gqa=queries.shape[1] != keys.shape[1])  # (1, Hq, T, D)
+        return out[0].transpose(0, 1)                                                        # (T, Hq, D)
+    num_keys = chunk.mask.shape[-1]
+    keys = _chunk_kv(cache.k[layer_idx], chunk, num_keys)                                    # (1, Hkv, S, D)
+    values = _chunk_kv(cache.v[layer_idx], chunk, num_keys)
+    # NOTE: the G query heads of a KV head folded into the query axis under the mask tiled G times: a masked SDPA
+    # with enable_gqa falls to the math backend on CUDA (cuDNN off in eager steps), a plain one does not.
+    (_, num_heads, num_query, head_dim), num_kv_heads = queries.shape, keys.shape[1]
+    group = num_heads // num_kv_heads
+    folded = queries.reshape(1, num_kv_heads, group * num_query, head_dim)                   # (1, Hkv, G*T, D)
+    if chunk.folded_mask is None:   # NOTE: once a step, every layer reuses it
+        chunk.folded_mask = _fold_mask(chunk.mask, group)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=chunk.folded_mask)
+    return out.view(num_heads, num_query, head_dim).transpose(0, 1)                          # (T, Hq, D)
 
 
 def _chunk_kv(store: torch.Tensor, chunk: ChunkMeta, num_keys: int) -> torch.Tensor:
