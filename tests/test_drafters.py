@@ -159,6 +159,28 @@ def test_a_signal_ends_training_with_the_best_weights_so_far(trained: dict, tiny
                       tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
 
 
+def test_a_time_budget_ends_training_like_a_signal(trained: dict, tiny_runner: ModelRunner, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.max_seconds (a leased GPU's budget): training stops after the step that ran past it, saves the best
+    weights, and the recorded command counts the steps instead of the seconds, so a slower machine re-creates them."""
+    import lab.training.recipe as recipe
+
+    path, _ = trained["eagle"]
+    clock = iter(float(t) for t in range(1000))   # NOTE: every reading of the clock is one second later
+    monkeypatch.setattr(recipe.time, "perf_counter", lambda: next(clock))
+    train = TrainConfig(steps=40, batch_size=4, lr=1e-4, warmup_steps=1, max_seq_len=96, val_sequences=8,
+                        log_every=1000, val_every=0, init_from=str(path), max_seconds=4.5)
+    lines: list[str] = []
+    metrics = train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), train, {}, tmp_path / "timed.pt",
+                            "lab-train train.steps=40 train.max_seconds=4.5", path.parent, log=lines.append)
+    assert 1 <= metrics["steps"] < 40 and any(line.startswith("train.max_seconds=4.5: stopped after step")
+                                              for line in lines), lines
+    command = torch.load(tmp_path / "timed.pt", weights_only=True)["command"]
+    assert command == f"test && lab-train train.steps=40 train.stop_after={metrics['steps']}"
+    with pytest.raises(LabError, match="max_seconds must be > 0"):
+        TrainConfig(max_seconds=0)
+
+
 def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tiny_runner: ModelRunner,
                                                               tmp_path: Path) -> None:
     """train.add_layers stacks identity layers on a trained DFlash drafter: validation before training equals the

