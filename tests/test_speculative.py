@@ -216,10 +216,12 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
-                                      "eagle_gsm8k", "dflash_gsm8k", "eagle_tree", "dflash_tree", "dflash_denoise"])
+                                      "eagle_gsm8k", "dflash_gsm8k", "dflash_mix", "eagle_tree", "dflash_tree",
+                                      "dflash_denoise"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
-    trained on ShareGPT and GSM8K's questions; those on ShareGPT alone; those trained further on GSM8K alone), and
+    trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers; those on ShareGPT alone;
+    those trained further on GSM8K alone; DFlash's before the target's own answers), and
     the defaults verifying a tree of drafts (3 candidates for the first position); the drafter trained with fills,
     drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
@@ -232,6 +234,7 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_sharegpt": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash.pt"),
               "eagle_gsm8k": EagleProposerConfig(checkpoint="checkpoints/smollm2/eagle_gsm8k.pt"),
               "dflash_gsm8k": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_gsm8k.pt"),
+              "dflash_mix": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_mix.pt"),
               "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]

@@ -252,7 +252,7 @@ class DFlashProposerConfig:
     so far to the next step as tokens, which drafts the later offsets again knowing them (the last step keeps all
     it drafts); needs a drafter trained with drafter.max_fill >= denoise_steps - 1."""
 
-    checkpoint: str | None = "checkpoints/smollm2/dflash_mix.pt"
+    checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
