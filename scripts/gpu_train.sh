@@ -52,7 +52,7 @@ if [ $# -eq 0 ]; then
   # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to 4000
   # ShareGPT prompts and 1000 GSM8K questions (not the benchmark's 256), the mixed drafter deepened to two layers.
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
-    data.max_num_seqs=256 data.kv_cache_memory_mb=8192 \
+    data.max_num_seqs=512 data.kv_cache_memory_mb=16384 \
     'data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.3}]' \
     train.init_from=checkpoints/smollm2/dflash_mix.pt train.add_layers=1 train.batch_size=64 train.steps=1200 \
     train.lr=3e-4 train.warmup_steps=50 train.weight_decay=0.05 train.val_every=250 train.log_every=50 \

@@ -62,7 +62,7 @@ class DataConfig:
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     max_num_seqs: int = 32
-    kv_cache_memory_mb: int = 512          # the generating engine's KV cache (a GPU's batch of 256 wants ~8 GB)
+    kv_cache_memory_mb: int = 512          # the generating engine's KV cache (a GPU's batch of 512 wants ~16 GB)
     reference_answers: int = 0             # more conversations with their recorded answers (prefill only)
     holdout: int = 0                       # the first records of the seed-0 shuffle (the benchmark's) never trained on
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
@@ -166,7 +166,10 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     # NOTE: on a GPU its decode steps replay CUDA graphs up to the whole batch (auto: off on a CPU)
     sizes = [1 << i for i in range(config.max_num_seqs.bit_length()) if 1 << i < config.max_num_seqs]
     graphs = CudaGraphConfig(capture_sizes=(*sizes, config.max_num_seqs))
-    engine = ContinuousBatchingEngine(runner, SchedulerConfig(max_num_seqs=config.max_num_seqs),
+    # NOTE: a step's token budget leaves room to admit prompts beside max_num_seqs decodes (512 up to 128 of them)
+    scheduler = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                max_num_batched_tokens=max(512, 4 * config.max_num_seqs))
+    engine = ContinuousBatchingEngine(runner, scheduler,
                                       PagedKVCacheConfig(kv_cache_memory_mb=config.kv_cache_memory_mb),
                                       name="train-data", cuda_graphs=graphs)
     start = time.perf_counter()
