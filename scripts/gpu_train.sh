@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFlash drafter training on the GPU machine (issue 8's tau goal needs more data and training than a CPU gives),
 # in two device calls, since the bundled GGUF alone is over one call's 64 MiB:
-#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, ~55 MB each)
+#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, 59.5 MB each)
 #                git rm -r -q --cached checkpoints/smollm2 && echo /checkpoints/smollm2/ >> .git/info/exclude
 #   call 1:      run(command="bash scripts/gpu_train.sh stage", carry=[".gpu_train/1"], timeout_s=120)
 #   call 2, within the machine's 30 s warm window:
