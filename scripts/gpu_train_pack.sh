@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 init=${1:-checkpoints/smollm2/dflash_mix.pt}
 python=${PYTHON:-.venv/bin/python}
-[ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; [ "$init" = none ] || exit 1; }
+[ "$init" = none ] || [ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; exit 1; }
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/wheels" "$stage/datasets"

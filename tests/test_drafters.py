@@ -166,8 +166,8 @@ def test_a_time_budget_ends_training_like_a_signal(trained: dict, tiny_runner: M
     import lab.training.recipe as recipe
 
     path, _ = trained["eagle"]
-    clock = iter(float(t) for t in range(1000))   # NOTE: every reading of the clock is one second later
-    monkeypatch.setattr(recipe.time, "perf_counter", lambda: next(clock))
+    clock = iter(float(t) for t in range(1000))   # NOTE: every reading of the time limit's clock is a second later
+    monkeypatch.setattr(recipe._StopEarly, "clock", staticmethod(lambda: next(clock)))
     train = TrainConfig(steps=40, batch_size=4, lr=1e-4, warmup_steps=1, max_seq_len=96, val_sequences=8,
                         log_every=1000, val_every=0, init_from=str(path), max_seconds=4.5)
     lines: list[str] = []

@@ -114,15 +114,10 @@ class SplitAttention:
     def _prepare_group(cache: BlockKVCache, index: StepIndex, start: int, end: int) -> GroupMeta:
         bs, device, num_seqs = cache.block_size, cache.device, end - start
         num_query = index.seqs[start].num_query_tokens
-        context = index.context_lens[start:end]                                               # (B,)
-        num_keys = int(context.max()) + num_query
+        num_keys = int(index.context_lens[start:end].max()) + num_query
         num_blocks = -(-num_keys // bs)
         key_pos = torch.arange(num_keys if num_blocks == 1 else num_blocks * bs)
-        query_pos = context[:, None] + torch.arange(num_query)                                 # (B, T)
-        visible = key_pos[None, None] <= query_pos[:, :, None]                                 # (B, T, S)
-        for b in range(start, end):   # NOTE: a tree of drafts: a token sees its ancestors only
-            for t, key in hidden_keys(index, b):
-                visible[b - start, t, key] = False
+        visible = _visible_keys(index, start, end, len(key_pos))                               # (B, T, S)
         row = index.q_start[start]
         if num_blocks > 1:
             block_ids = index.block_tables[start:end, :num_blocks].reshape(-1)               # (B*nb,)
@@ -149,10 +144,7 @@ class SplitAttention:
         num_keys = num_context + num_query
         num_blocks = -(-num_keys // cache.block_size)
         block_ids = index.block_tables[i, :num_blocks]
-        query_pos = torch.arange(num_context, num_keys)[:, None]
-        mask = (torch.arange(num_keys)[None] <= query_pos)[None, None]                      # (1, 1, T, S)
-        for t, key in hidden_keys(index, i):   # NOTE: a tree of drafts: a token sees its ancestors only
-            mask[0, 0, t, key] = False
+        mask = _visible_keys(index, i, i + 1, num_keys)[:, None]                                # (1, 1, T, S)
         single = seq.block_table[0] if num_blocks == 1 else -1
         return ChunkMeta(start, start + num_query, num_context, block_ids, mask.to(cache.device), single)
 
@@ -225,6 +217,18 @@ def _runs_of_equal_queries(seqs: list[SeqSlice]) -> list[tuple[int, int]]:
 def _groupable(seq: SeqSlice) -> bool:
     return seq.num_query_tokens == 1 or (seq.num_query_tokens <= MAX_GROUPED_QUERY_TOKENS
                                          and (seq.num_context_tokens > 0 or seq.tree is not None))
+
+
+def _visible_keys(index: StepIndex, start: int, end: int, num_keys: int) -> torch.Tensor:
+    """(B, T, S) bool for requests [start, end), each feeding T tokens: token t sees key s, its context and its own
+    tokens up to itself, less the keys a tree of drafts hides (a node sees its ancestors only)."""
+    num_query = index.seqs[start].num_query_tokens
+    query_pos = index.context_lens[start:end, None] + torch.arange(num_query)                  # (B, T)
+    visible = torch.arange(num_keys)[None, None] <= query_pos[:, :, None]                      # (B, T, S)
+    for b in range(start, end):
+        for t, key in hidden_keys(index, b):
+            visible[b - start, t, key] = False
+    return visible
 
 
 def _fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
