@@ -6,11 +6,14 @@ and of a ~1B Llama shape (where they matter less). scripts/gpu_check.sh runs it.
     python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,8 --steps 32
     python experiments/bench_decode_graphs.py --spec-tokens 7       # speculative: every step verifies 1 + 7 tokens
     python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --profile 8
+    python experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --tree-nodes 62
 
 With `--spec-tokens k` the engine is speculative with an untrained DFlash drafter of the target's shape (one
 layer, block k + 1): against a random target nearly every draft is rejected, so every timed step is a verify of
 1 + k tokens per request plus one drafter forward, the cost side of speculation (acceptance needs real weights;
-docs/speculative.md has the CPU's). The table then also gives the draft's ms per step.
+docs/speculative.md has the CPU's). The table then also gives the draft's ms per step. `--tree-nodes N` drafts
+engine=dflash_tree's tree of the block's N likeliest paths instead: a verify of 1 + N tokens per request, with the
+tree built on the host after the drafter's forward.
 
 Each engine holds `batch` requests of `--prompt-len` random tokens, all past their prefill; the timed
 window is `--steps` whole engine steps (schedule, inputs, forward or graph replay, sampling, bookkeeping)
@@ -100,6 +103,8 @@ def main() -> None:
     parser.add_argument("--init-range", type=float, default=0.02,
                         help="random init's std; 0.2 separates the logits enough that fp32 greedy tokens can be compared")
     parser.add_argument("--spec-tokens", type=int, default=0, help="k > 0: speculative verify steps of 1 + k tokens")
+    parser.add_argument("--tree-nodes", type=int, default=0,
+                        help="with --spec-tokens: verify a tree of the block's N likeliest paths (tree_nodes)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--profile", type=int, default=0, help="N > 0: then profile N steps of each engine")
     args = parser.parse_args()
@@ -117,11 +122,13 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             ms, tokens = {}, {}
             for mode in ("off", graph_mode):
-                proposer = (DFlashProposerConfig(checkpoint=None, drafter={"block_size": args.spec_tokens + 1})
+                proposer = (DFlashProposerConfig(checkpoint=None, drafter={"block_size": args.spec_tokens + 1},
+                                                 tree_nodes=args.tree_nodes)
                              if args.spec_tokens else None)
-                # NOTE: room for k drafts to the end (a request near max_tokens drafts fewer: another graph).
+                # NOTE: room for every draft to the end (a request near max_tokens drafts fewer: another graph).
+                most_drafts = max(args.spec_tokens, args.tree_nodes)
                 engine = filled_engine(runner, batch, args.prompt_len,
-                                       max_tokens=args.steps + args.profile + 8 + args.spec_tokens,
+                                       max_tokens=args.steps + args.profile + 8 + most_drafts,
                                        cuda_graphs=CudaGraphConfig(mode=mode), proposer=proposer,
                                        num_spec_tokens=args.spec_tokens)
                 draft_s = engine.stats().get("spec/draft_s", 0.0)
@@ -134,7 +141,8 @@ def main() -> None:
                           + profile_steps(engine, args.profile), flush=True)
                 engine.abort_running("benchmark over")
             same = sum(a == b for a, b in zip(tokens["off"], tokens[graph_mode])) / batch
-            rows.append({"shape": shape, "batch": batch, "spec_tokens": args.spec_tokens, "draft_ms": draft_ms,
+            rows.append({"shape": shape, "batch": batch, "spec_tokens": args.spec_tokens,
+                         "tree_nodes": args.tree_nodes, "draft_ms": draft_ms,
                          "eager_ms": ms["off"], "graph_ms": ms[graph_mode],
                          "speedup": ms["off"] / ms[graph_mode], "graph_tok_s": batch * 1000 / ms[graph_mode],
                          "num_graphs": graphs, "same_tokens": same})
@@ -144,11 +152,12 @@ def main() -> None:
         del runner
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    print("\n| shape | batch | drafts k | eager ms/step | graph ms/step | speedup | draft ms/step (graphs) "
-          "| same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| shape | batch | drafts k | tree nodes | eager ms/step | graph ms/step | speedup "
+          "| draft ms/step (graphs) | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['spec_tokens']} | {r['eager_ms']:.2f} | {r['graph_ms']:.2f} "
+        print(f"| {r['shape']} | {r['batch']} | {r['spec_tokens']} | {r['tree_nodes'] or '-'} | {r['eager_ms']:.2f} "
+              f"| {r['graph_ms']:.2f} "
               f"| {r['speedup']:.2f}x | {r['draft_ms']:.2f} | {r['same_tokens']:.0%} |")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

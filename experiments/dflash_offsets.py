@@ -27,6 +27,7 @@ measured on, which the held-out ShareGPT answers need not resemble.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +36,10 @@ from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fin
 from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
-from lab.training.losses import CONFIDENCE_EDGES, Batch, dflash_loss, dflash_predictions, leading_runs, make_batch
+from lab.spec.feature_proposer import MAX_TREE_WIDTH
+from lab.spec.tree import depths, marginal_tree, walk_greedy
+from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
+                                 leading_runs, make_batch)
 from lab.training.recipe import evaluate
 from lab.workloads.dataset_files import DATASETS
 
@@ -55,11 +59,11 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
-                  max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1
-                  ) -> dict[str, dict[str, float]]:
+                  max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1,
+                  tree_nodes: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
-    (walk_table)."""
+    (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`)."""
     cache_dir = default_cache_dir() / "train" / target_fingerprint(runner.model)
     data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the answers and their features
     results = {}
@@ -72,52 +76,86 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
         steps = min(denoise_steps, drafter.config.max_fill + 1)   # NOTE: a drafter never trained with fills: 1
-        for k, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
-                                             steps).items():
-            results[path] |= {f"walk_tau_{k}": walked, f"every_tau_{k}": every}
+        for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
+                                                steps, tree_nodes).items():
+            results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}
     return results
 
 
-def walk(runs: list[int], num_spec_tokens: int) -> tuple[int, int]:
-    """(blocks drafted, drafts accepted) of greedy speculation along one answer, as the engine runs it: runs[i]
-    is how many leading drafts of the block at answer token i are right (i = 0 .. answer length - 2). A step
-    verifies up to num_spec_tokens, never past the answer's end, and advances past the accepted drafts and the
-    bonus token; with no room left it runs without drafts (SpeculativeEngine._propose)."""
+def walk(run_at: Callable[[int, int], int], length: int, num_spec_tokens: int) -> tuple[int, int]:
+    """(blocks drafted, drafts accepted) of greedy speculation along one answer, as the engine runs it:
+    run_at(i, room) is how many leading drafts of the block at answer token i are right (i = 0 .. length - 1, the
+    answer's length - 1), its draft fitted to `room` more tokens. A step verifies up to num_spec_tokens, never past
+    the answer's end, and advances past the accepted drafts and the bonus token; with no room left it runs without
+    drafts (SpeculativeEngine._propose)."""
     drafts = accepted = position = 0
-    while position < len(runs):
-        budget = min(num_spec_tokens, len(runs) - 1 - position)   # the tokens still to come after the bonus one
-        kept = min(budget, runs[position]) if budget > 0 else 0
+    while position < length:
+        room = length - 1 - position   # the tokens still to come after the bonus one
+        budget = min(num_spec_tokens, room)
+        kept = min(budget, run_at(position, room)) if budget > 0 else 0
         drafts, accepted, position = drafts + (budget > 0), accepted + kept, position + 1 + kept
     return drafts, accepted
 
 
+class TreeBlocks:
+    """One answer's blocks (1, M) drafted as trees of their likeliest paths (DFlash's `tree_nodes`): each offset's
+    MAX_TREE_WIDTH best tokens are its candidates, as in the engine."""
+
+    def __init__(self, predictions: BlockPredictions) -> None:
+        log_probs = torch.full((*predictions.keep.shape, predictions.logits.shape[-1]), float("-inf"))
+        log_probs[predictions.keep] = predictions.logits.log_softmax(-1)
+        top = log_probs[0].topk(MAX_TREE_WIDTH, dim=-1)                                       # (M, B-1, W)
+        self.candidates = [[[(t, p) for t, p in zip(ids, probs) if p > 0] for probs, ids in zip(*block)]
+                           for block in zip(top.values.exp().tolist(), top.indices.tolist())]
+        self.text = predictions.labels[0].tolist()                                         # (M, B-1)
+
+    def run(self, block: int, max_nodes: int, depth: int) -> int:
+        """How many of block `block`'s leading offsets a tree of its `max_nodes` likeliest paths through its first
+        `depth` offsets holds of the text (the tree the engine verifies, fitted to that many tokens)."""
+        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes)
+        text = self.text[block]
+        # NOTE: on the target's greedy text, the target's token at a node's row is the text's after the node
+        path, _ = walk_greedy([text[0]] + [text[d] if d < depth else -1 for d in depths(parents)], token_ids, parents)
+        return len(path)
+
+
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
-               ks: list[int], denoise_steps: int = 1) -> dict[int, tuple[float, float]]:
-    """k -> (tau along the engine's walk, tau over every answer position), pooled over the answers. With
-    `denoise_steps` S the drafts are the proposer's: offset j < S drafted with offsets 1..j-1 filled in, the rest
-    with 1..S-1 (on the target's greedy text a filled draft that counts is the text's token)."""
+               ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = ()
+               ) -> dict[str, tuple[float, float]]:
+    """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
+    position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
+    with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
+    the text's token). A tree verifies the N likeliest paths of the block's first k offsets, drafted in one step."""
     drafter.eval()
-    drafts, accepted = dict.fromkeys(ks, 0), dict.fromkeys(ks, 0)
-    every: dict[int, list[float]] = {k: [] for k in ks}
+    names = [(str(k), k, 0) for k in ks] + [(f"{k}, tree of {n}", k, n) for k in ks for n in tree_nodes]
+    drafts, accepted = {name: 0 for name, _, _ in names}, {name: 0 for name, _, _ in names}
+    every: dict[str, list[int]] = {name: [] for name, _, _ in names}
     for sequence, features in zip(*answers):
         batch: Batch = make_batch([sequence], [features], max_len=len(sequence.token_ids))
         anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
         if anchors.shape[1] == 0:
             continue
         # NOTE: the answer is the target's greedy text: agreeing with it is what verification keeps.
-        agree = torch.stack([dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192,
-                                                fills=torch.full_like(anchors, fill)).matches_text
-                             for fill in range(denoise_steps)])                             # (steps, 1, M, B-1)
+        predictions = [dflash_predictions(drafter, runner.model, batch, anchors, draft_vocab_size=8192,
+                                          fills=torch.full_like(anchors, fill)) for fill in range(denoise_steps)]
+        agree = torch.stack([p.matches_text for p in predictions])                            # (steps, 1, M, B-1)
         offsets = torch.arange(agree.shape[-1])
         drafted = agree[offsets.clamp(max=denoise_steps - 1), ..., offsets].movedim(0, -1)   # (1, M, B-1)
-        runs = leading_runs(drafted)[0]
-        run_lengths = runs.long().tolist()
-        for k in ks:
-            walked = walk(run_lengths, k)
-            drafts[k], accepted[k] = drafts[k] + walked[0], accepted[k] + walked[1]
-            every[k] += (1 + runs.clamp(max=k)).tolist()
-    return {k: (1 + accepted[k] / max(1, drafts[k]), sum(every[k]) / len(every[k])) for k in ks}
+        chain_runs = leading_runs(drafted)[0].long().tolist()
+        trees = TreeBlocks(predictions[0]) if tree_nodes else None
+        for name, k, nodes in names:
+            if nodes:
+                run_at = lambda i, room: trees.run(i, min(nodes, room), min(k, room))   # noqa: E731
+                runs = [trees.run(i, nodes, k) for i in range(len(chain_runs))]
+            else:
+                run_at = lambda i, room: chain_runs[i]   # noqa: E731
+                runs = chain_runs
+            walked = walk(run_at, len(chain_runs), k)
+            drafts[name], accepted[name] = drafts[name] + walked[0], accepted[name] + walked[1]
+            every[name] += [1 + min(run, k) for run in runs]
+    return {name: (1 + accepted[name] / max(1, drafts[name]), sum(every[name]) / len(every[name]))
+            for name, _, _ in names}
 
 
 def main() -> None:
@@ -134,11 +172,15 @@ def main() -> None:
     parser.add_argument("--denoise-steps", type=int, default=1,
                         help="with --walk: drafter forwards per block (engine.proposer.denoise_steps; a checkpoint "
                              "trained with a smaller max_fill walks with max_fill + 1)")
+    parser.add_argument("--tree-nodes", type=int, nargs="*", default=[], metavar="N",
+                        help="with --walk: also verify a tree of the N likeliest paths over the block's first K "
+                             "offsets (engine.proposer.tree_nodes), drafted in one step and fitted to the answer's "
+                             "room as the engine does")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
-                            tuple(args.walk), args.denoise_steps)
+                            tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes))
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"
@@ -155,7 +197,8 @@ def main() -> None:
         print("| k verified | " + " | ".join(f"tau along the walk {i} | tau at every position {i}"
                                              for i in range(len(names))) + " |")
         print("|---|" + "---:|---:|" * len(names))
-        for k in args.walk:
+        walked = [key.removeprefix("walk_tau_") for key in results[names[0]] if key.startswith("walk_tau_")]
+        for k in walked:
             print(f"| {k} | " + " | ".join(f"{results[n][f'walk_tau_{k}']:.3f} | {results[n][f'every_tau_{k}']:.3f}"
                                           for n in names) + " |")
         print()

@@ -41,14 +41,16 @@ KEY = ("workload", "proposer", "k", "concurrency")
 
 def proposer_name(engine: dict[str, Any]) -> str:
     """The proposer, with what tells its variants apart: layerskip[<layers>], eagle/dflash[tree <W>] (a tree of
-    drafts, conf/experiment/tree_sweep.yaml; `+tails`: DFlash's later drafts under every runner-up), dflash[<S>
-    steps] (denoising steps, conf/experiment/denoise_sweep.yaml)."""
+    drafts, conf/experiment/tree_sweep.yaml; `+tails`: DFlash's later drafts under every runner-up), dflash[tree of
+    <N>] (a tree of the block's N likeliest paths), dflash[<S> steps] (denoising steps,
+    conf/experiment/denoise_sweep.yaml)."""
     proposer = engine.get("proposer", {})
     name = PROPOSERS.get(str(proposer.get("_target_", "")).rsplit(".", 1)[-1], "?")
     if name == "layerskip":
         return f"layerskip[{proposer['num_layers']}]"
     width, steps = int(proposer.get("tree_width", 1)), int(proposer.get("denoise_steps", 1))
     variants = [f"tree {width}{'+tails' if proposer.get('tree_tails') else ''}"] if width > 1 else []
+    variants += [f"tree of {proposer['tree_nodes']}"] if int(proposer.get("tree_nodes", 0)) else []
     variants += [f"{steps} steps"] if steps > 1 else []
     return f"{name}[{', '.join(variants)}]" if variants else name
 

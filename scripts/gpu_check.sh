@@ -41,6 +41,10 @@ for k in 2 7; do   # speculative verify steps (1 + k tokens a request) and the d
   timeout 90 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1,16 --spec-tokens $k \
     --out "$out/verify_graphs_k$k.json" 2>&1 | tee -a "$log" || status=1
 done
+# engine=dflash_tree's step: a verify of 1 + 62 tree tokens and the tree built on the host (session 35's tau 2.79 /
+# 2.20 on GSM8K / MT-Bench is measured on CPU; what its step costs on a GPU decides its speedup there)
+timeout 60 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --tree-nodes 62 \
+  --out "$out/verify_graphs_tree62.json" 2>&1 | tee -a "$log" || status=1
 timeout 60 python3 experiments/bench_train.py --device cuda --kinds dflash --batches 16,64 --features online \
   2>&1 | tee -a "$log" || status=1
 timeout 100 python3 experiments/bench_train.py --device cuda --kinds dflash,eagle --batches 4,16,64 \

@@ -123,6 +123,9 @@ def _spec_proposers(tiny_source) -> dict:
             "eagle_tree": EagleProposerConfig(checkpoint=None, tree_width=2, draft_vocab_size=0),
             "dflash_tails": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, tree_width=2,
                                                  tree_tails=True, draft_vocab_size=0),
+            # NOTE: a tree of the block's likeliest paths: every position's candidates out of the block graph
+            "dflash_paths": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, tree_nodes=10,
+                                                 draft_vocab_size=0),
             # NOTE: three denoising steps in one block graph (the drafts kept so far filled in)
             "dflash_denoise": DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4, "max_fill": 2},
                                                    denoise_steps=3)}
@@ -137,7 +140,8 @@ def spec_graph_engine(runner: ModelRunner, proposer, mode: str, max_num_seqs: in
 
 @pytest.mark.parametrize("proposer, max_num_seqs", [("draft_equals_target", 1), ("draft_equals_target", 4),
                                                    ("ngram", 4), ("eagle", 1), ("dflash", 4), ("dflash_tree", 4),
-                                                   ("eagle_tree", 2), ("dflash_tails", 1), ("dflash_denoise", 4)])
+                                                   ("eagle_tree", 2), ("dflash_tails", 1), ("dflash_denoise", 4),
+                                                   ("dflash_paths", 2)])
 def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: int, tiny_source,
                                                  tiny_runner: ModelRunner) -> None:
     prompts = [p * 2 for p in random_prompts(6, tiny_runner.vocab_size, seed=5, max_len=12)]   # repeats: n-gram drafts
@@ -163,6 +167,8 @@ def test_eager_fixed_shape_verify_steps_equal_ar(proposer: str, max_num_seqs: in
         assert engine.decode_graphs.max_query_len == 6 and max(query_lens) > 4, query_lens
     if proposer in ("eagle_tree", "dflash_tails"):    # NOTE: 1 + 3 depths x 2 nodes
         assert engine.decode_graphs.max_query_len == 7 and max(query_lens) > 4, query_lens
+    if proposer == "dflash_paths":    # NOTE: 1 + 10 nodes
+        assert engine.decode_graphs.max_query_len == 11 and max(query_lens) > 4, query_lens
     assert engine.kv_manager.num_held_blocks == 0
 
 
@@ -211,7 +217,8 @@ def test_cuda_graph_replays_give_the_eager_engines_tokens(kv: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("proposer", ["ngram", "dflash", "dflash_tree", "eagle_tree", "dflash_denoise"])
+@pytest.mark.parametrize("proposer", ["ngram", "dflash", "dflash_tree", "eagle_tree", "dflash_denoise",
+                                      "dflash_paths"])
 def test_cuda_graph_verify_steps_give_the_eager_engines_tokens(proposer: str) -> None:
     source = tiny(seed=0, vocab_size=128, with_tokenizer=False)
     runner = ModelRunner(source, dtype="float32", device="cuda")

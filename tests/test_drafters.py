@@ -350,6 +350,52 @@ def test_a_tree_of_drafts_is_lossless_and_accepts_more_than_the_chain(trained: d
         assert tau[3] > tau[1], tau
 
 
+def _under_a_runner_up(parents: list[int]) -> bool:
+    """Whether some node at depth >= 2 hangs under a runner-up for the first position (not the chain's first
+    node, which leads the depth-first order)."""
+    first: list[int] = []   # each node's ancestor at depth 1
+    for node, parent in enumerate(parents):
+        first.append(node if parent == ROOT else first[parent])
+    return any(parent != ROOT and first[node] != 0 for node, parent in enumerate(parents))
+
+
+@pytest.mark.parametrize("max_num_seqs,token_budget", [(1, 64), (4, 64), (4, 9)])
+def test_dflash_trees_of_the_likeliest_paths_are_lossless_and_walk_as_offline(trained: dict, max_num_seqs: int,
+                                                                             token_budget: int,
+                                                                             tiny_runner: ModelRunner) -> None:
+    """tree_nodes 12: the block's 12 likeliest paths (each offset's best tokens, a path's probability the product
+    of theirs) are verified together, nodes hang under runners-up at any depth, and the output is `ar`'s. A budget
+    of 9 tokens for 4 requests cuts the trees. At batch 1 the engine accepts what the offline walk of the same trees
+    does (dflash_offsets.py --tree-nodes), fitted to each request's room as the engine fits them."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    stats, drafts = {}, {}
+    path = trained["dflash"][0]
+    for nodes in (0, 12):
+        config = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=nodes)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                             max_num_batched_tokens=token_budget))
+        drafts[nodes] = _record_drafts(engine)
+        result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+        assert [r.output_token_ids for r in result.requests] == expected
+        stats[nodes] = engine.stats()
+        assert engine.kv_manager.num_held_blocks == 0
+    assert stats[12]["spec/tree_off_chain_accepts"] > 0 and max(len(d.token_ids) for d in drafts[12]) == 12
+    assert any(_under_a_runner_up(d.parents) for d in drafts[12] if d.parents)
+    if token_budget > 9:
+        tau = {nodes: s["spec_decode_acceptance_length"] for nodes, s in stats.items()}
+        assert tau[12] > tau[0], tau
+    if max_num_seqs == 1:
+        answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+        drafter = load_drafter(path, "dflash", tiny_runner.model)
+        features = target_features(tiny_runner, answers, drafter.feature_layers)
+        walked = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                              tree_nodes=(12,))
+        assert walked["3, tree of 12"][0] == pytest.approx(stats[12]["spec_decode_acceptance_length"])
+        assert walked["3"][0] == pytest.approx(stats[0]["spec_decode_acceptance_length"])
+
+
 def test_dflash_tree_tails_follow_every_runner_up_and_stay_lossless(trained: dict, tiny_runner: ModelRunner) -> None:
     """tree_tails: DFlash's later drafts hang under each runner-up too (tree_width x k drafts)."""
     prompts = _prompts(16, seed=3)[8:14]
@@ -411,18 +457,22 @@ def test_dflash_blocks_drafted_in_fixed_shape_graphs_are_the_eager_drafts(traine
     assert stats["eager"]["spec_decode_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "dflash"])
-def test_trees_of_drafts_in_fixed_shape_graphs_verify_as_the_eager_engine(trained: dict, kind: str,
+@pytest.mark.parametrize("kind,tree_width,tree_nodes", [("eagle", 3, 0), ("dflash", 3, 0), ("dflash", 1, 12)])
+def test_trees_of_drafts_in_fixed_shape_graphs_verify_as_the_eager_engine(trained: dict, kind: str, tree_width: int,
+                                                                         tree_nodes: int,
                                                                          tiny_runner: ModelRunner) -> None:
-    """engine.cuda_graphs.mode=eager with tree_width 3: verify steps carrying trees run in the fixed-shape view
-    (its mask hides a node's siblings as the native kernel does), DFlash's block forward returns the first
-    position's candidates from its static buffers; the same acceptance as the eager engine, `ar`'s output."""
+    """engine.cuda_graphs.mode=eager with tree_width 3 (or DFlash's tree of 12 paths): verify steps carrying trees
+    run in the fixed-shape view (its mask hides a node's siblings as the native kernel does), DFlash's block forward
+    returns the first position's candidates (every position's) from its static buffers; the same acceptance as the
+    eager engine, `ar`'s output."""
     prompts = _prompts(16, seed=3)[8:14]
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     stats = {}
     for mode in ("off", "eager"):
         config = _proposer(kind, trained[kind][0])
-        config.tree_width = 3
+        config.tree_width = tree_width
+        if tree_nodes:
+            config.tree_nodes = tree_nodes
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=2, kv_cache=KV,
                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
                                    cuda_graphs=CudaGraphConfig(mode=mode, capture_sizes=(1, 2, 4)))
@@ -599,8 +649,10 @@ def test_walking_the_answers_offline_gives_the_engines_acceptance(trained: dict,
     accepts what the engine does at batch 1 with the same drafter and k."""
     offsets = load_experiment("dflash_offsets")
     # blocks at answer tokens 0 (2 accepted), 3 (1), 5 (0), 6 (room for 1 more token: 1 of its 5 right drafts)
-    assert offsets.walk([2, 0, 0, 1, 0, 0, 5, 0], 2) == (4, 4)
-    assert offsets.walk([0, 0, 0], 2) == (2, 0)   # at token 2 only the last token is left: a step without drafts
+    runs = [2, 0, 0, 1, 0, 0, 5, 0]
+    assert offsets.walk(lambda i, room: runs[i], len(runs), 2) == (4, 4)
+    # NOTE: at token 2 only the last token is left: a step without drafts
+    assert offsets.walk(lambda i, room: 0, 3, 2) == (2, 0)
     prompts = _prompts(16, seed=3)[8:12]
     path = trained["dflash"][0]
     proposer = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None)
@@ -610,7 +662,7 @@ def test_walking_the_answers_offline_gives_the_engines_acceptance(trained: dict,
     answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
     drafter = load_drafter(path, "dflash", tiny_runner.model)
     features = target_features(tiny_runner, answers, drafter.feature_layers)
-    walked, every = offsets.walk_table(tiny_runner, drafter, (answers, features), [2])[2]
+    walked, every = offsets.walk_table(tiny_runner, drafter, (answers, features), [2])["2"]
     stats = engine.stats()
     assert stats["spec_decode_accepted_tokens"] > 0
     assert walked == pytest.approx(stats["spec_decode_acceptance_length"])
@@ -1080,7 +1132,7 @@ def test_dflash_denoising_steps_are_lossless_and_draft_as_the_offline_walk(train
         drafter = load_drafter(path, "dflash", tiny_runner.model)
         features = target_features(tiny_runner, answers, drafter.feature_layers)
         walked, _ = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
-                                                                 denoise_steps)[3]
+                                                                 denoise_steps)["3"]
         assert walked == pytest.approx(stats["spec_decode_acceptance_length"])
 
 

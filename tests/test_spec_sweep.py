@@ -105,6 +105,7 @@ def test_trained_drafters_and_trees_of_drafts_are_told_apart(spec_sweep: ModuleT
     assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", denoise_steps=2)) == "dflash[2 steps]"
     assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", tree_width=4,
                                            denoise_steps=3)) == "dflash[tree 4, 3 steps]"
+    assert spec_sweep.proposer_name(engine("dflash.DFlashProposerConfig", tree_nodes=62)) == "dflash[tree of 62]"
 
 
 def test_the_tree_sweep_composes_batch_one_jobs_paired_over_ar(tmp_path: Path) -> None:

@@ -217,7 +217,7 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
                                       "eagle_gsm8k", "dflash_gsm8k", "dflash_mix", "eagle_tree", "dflash_tree",
-                                      "dflash_denoise"])
+                                      "dflash_denoise", "dflash_paths"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
     trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers; those on ShareGPT alone;
@@ -236,6 +236,7 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_gsm8k": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_gsm8k.pt"),
               "dflash_mix": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_mix.pt"),
               "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
+              "dflash_paths": DFlashProposerConfig(tree_nodes=24),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),

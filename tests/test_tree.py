@@ -24,7 +24,8 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.proposer import Draft
-from lab.spec.tree import ROOT, DraftTree, chain_parents, depths, limit_depth, walk_greedy, with_siblings
+from lab.spec.tree import (ROOT, DraftTree, chain_parents, depths, likeliest, marginal_tree, subtree, walk_greedy,
+                           with_siblings)
 from tests.helpers import make_requests
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
@@ -37,8 +38,10 @@ def test_a_chain_plus_runners_up_is_a_depth_first_tree() -> None:
     assert with_siblings([], [3, 4]) == ([], [])
     # DFlash's tails: the chain's later tokens under every runner-up too
     assert with_siblings([7, 8, 9], [4], tails=True) == ([7, 8, 9, 4, 8, 9], [ROOT, 0, 1, ROOT, 3, 4])
-    assert limit_depth(tokens, parents, 1) == ([7, 4, 5], [ROOT, ROOT, ROOT])
-    assert limit_depth(tokens, parents, 2) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
+    assert subtree(tokens, parents, [d <= 1 for d in depths(parents)]) == ([7, 4, 5], [ROOT, ROOT, ROOT])
+    assert subtree(tokens, parents, [d <= 2 for d in depths(parents)]) == ([7, 8, 4, 5], [ROOT, 0, ROOT, ROOT])
+    with pytest.raises(ValueError, match="kept without its parent"):
+        subtree(tokens, parents, [False, True, True, True, True])
     draft = Draft([7, 8, 9, 4], None, [ROOT, 0, 1, ROOT])
     draft.fit(2, 10)
     assert draft.token_ids == [7, 8, 4] and draft.parents == [ROOT, 0, ROOT]
@@ -58,9 +61,32 @@ def test_a_draft_tree_keeps_the_chain_and_the_likeliest_others() -> None:
     # depth 2: 5's children at .6 x .5 and .6 x .2, 7's at .3 x .9: the chain's, then the likelier other
     tree.grow([(0, 1, .3), (0, 2, .12), (1, 3, .27)], width=2, min_prob=0.2, chain=(0, 1, .3))
     assert tree.token_ids == [5, 7, 1, 3] and tree.parents == [ROOT, ROOT, 0, 1] and tree.chain_tip == 2
-    assert tree.depth_first() == ([5, 1, 7, 3], [ROOT, 0, ROOT, 2])   # the chain leads
+    assert tree.depth_first()[:2] == ([5, 1, 7, 3], [ROOT, 0, ROOT, 2])   # the chain leads
+    assert tree.depth_first()[2] == pytest.approx([.6, .3, .3, .27])
     tree.grow([(2, 4, .05), (3, 6, .25)], width=2, min_prob=0.1, chain=None)   # the gate stopped the chain
     assert tree.frontier == [4] and tree.token_ids[4] == 6 and tree.chain_tip is None
+
+
+def test_a_tree_of_the_likeliest_paths_is_built_best_first() -> None:
+    """marginal_tree: each position's candidates (token, probability); a path's probability is the product of its
+    tokens'. The N likeliest paths, depth first with the likelier child first, so the greedy chain leads."""
+    candidates = [[(10, .6), (11, .3), (12, .1)], [(20, .5), (21, .4)], [(30, .9), (31, .1)]]
+    # best first: 10 (.6), 10-20 (.3), 11 (.3), 10-20-30 (.27), 10-21 (.24), 10-21-30 (.216), 11-20 (.15), ...
+    tokens, parents, probs = marginal_tree(candidates, 5)
+    assert tokens == [10, 20, 30, 21, 11] and parents == [ROOT, 0, 1, 0, ROOT]
+    assert probs == pytest.approx([.6, .3, .27, .24, .3])
+    assert marginal_tree(candidates, 1)[:2] == ([10], [ROOT])
+    assert len(marginal_tree(candidates, 100)[0]) == 3 + 3 * 2 + 3 * 2 * 2   # every path, at most that many
+    assert marginal_tree(candidates, 100, min_prob=0.25)[:2] == ([10, 20, 30, 11], [ROOT, 0, 1, ROOT])
+    assert marginal_tree([], 5) == ([], [], []) and marginal_tree([[(7, 1.0)]], 5)[:2] == ([7], [ROOT])
+    # NOTE: every path's probability is at most its parent's, so the likeliest nodes are a tree
+    assert likeliest(parents, probs, 3) == [True, True, False, False, True]
+    draft = Draft(tokens, None, parents, path_probs=probs)
+    draft.fit(3, 4)   # 4 tokens of room: the 4 likeliest, not the depth-first prefix [10, 20, 30, 21]
+    assert draft.token_ids == [10, 20, 30, 11] and draft.parents == [ROOT, 0, 1, ROOT]
+    assert draft.path_probs == pytest.approx([.6, .3, .27, .3])
+    draft.fit(1, 4)
+    assert draft.token_ids == [10, 11] and draft.parents == [ROOT, ROOT]
 
 
 def test_greedy_walk_follows_the_child_the_target_picks() -> None:
@@ -237,6 +263,11 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
     with pytest.raises(LabError, match="tree_min_prob must be in"):
         DFlashProposerConfig(checkpoint=None, tree_width=2, tree_min_prob=1.5).build(tiny_runner,
                                                                                     PagedKVCacheManager(64, 4))
+    for bad, match in (({"tree_nodes": 63}, "tree_nodes must be 0"), ({"tree_nodes": 8, "tree_width": 2}, "two tree"),
+                       ({"tree_nodes": 8, "tree_tails": True}, "two tree"),
+                       ({"tree_nodes": 8, "denoise_steps": 2}, "one forward")):
+        with pytest.raises(LabError, match=match):
+            DFlashProposerConfig(checkpoint=None, **bad).build(tiny_runner, PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="more than a verify step's tree holds"):   # a beam of 8 x 8 drafts
         SpeculativeEngine(tiny_runner, EagleProposerConfig(checkpoint=None, tree_width=8), num_spec_tokens=8,
                           kv_cache=PagedKVCacheConfig(block_size=4, num_blocks=64, kv_cache_memory_mb=None))

@@ -91,8 +91,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
         if max_drafts > MAX_TREE_DRAFTS:
             raise LabError(f"a draft of up to {max_drafts} tokens (num_spec_tokens={num_spec_tokens} and the "
-                           f"proposer's tree_width) is more than a verify step's tree holds ({MAX_TREE_DRAFTS})",
-                           "lower engine.proposer.tree_width or engine.num_spec_tokens")
+                           f"proposer's tree_width or tree_nodes) is more than a verify step's tree holds "
+                           f"({MAX_TREE_DRAFTS})",
+                           "lower engine.proposer.tree_width (or tree_nodes) or engine.num_spec_tokens")
         if self.decode_graphs is not None and num_spec_tokens:
             # NOTE: verify steps (1 + up to k drafts per request, more for a tree) replay graphs too, which also
             # return the features a feature-reading drafter observes.

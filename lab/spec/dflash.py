@@ -29,12 +29,31 @@ from lab.drafters.checkpoint import read_drafter_config, resolve_checkpoint
 from lab.drafters.dflash import DFlashConfig, DFlashDrafter
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
+from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
-from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
+from lab.spec.feature_proposer import MAX_TREE_WIDTH, ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
-from lab.spec.tree import with_siblings
+from lab.spec.tree import marginal_tree, with_siblings
+
+Candidates = list[list[tuple[int, float]]]   # a request's tree candidates: per drafted position (token, probability)
+
+
+def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denoise_steps: int) -> None:
+    """A tree of paths is its own shape: not with runners-up at the first position, nor redrafted blocks."""
+    if not 0 <= tree_nodes <= MAX_TREE_TOKENS - 1:
+        raise LabError(f"engine.proposer.tree_nodes must be 0 (off) to {MAX_TREE_TOKENS - 1} (a verify step's tree "
+                       f"holds {MAX_TREE_TOKENS} tokens with the root), got {tree_nodes}",
+                       "e.g. engine.proposer.tree_nodes=62 (EAGLE-2's trees are ~60 tokens)")
+    if tree_nodes and (tree_width > 1 or tree_tails):
+        raise LabError("engine.proposer.tree_nodes (a tree of the block's likeliest paths) and tree_width / "
+                       "tree_tails (runners-up at the first position) are two tree shapes; set one",
+                       "set engine.proposer.tree_width=1 engine.proposer.tree_tails=false with tree_nodes")
+    if tree_nodes and denoise_steps > 1:
+        raise LabError("engine.proposer.tree_nodes needs the whole block drafted in one forward (its paths are "
+                       "built from every offset's distribution), but denoise_steps > 1 redrafts it",
+                       "set engine.proposer.denoise_steps=1 with tree_nodes")
 
 
 class _ContextKV:
@@ -63,8 +82,9 @@ class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, kv: KVCacheManager, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
-                 tree_tails: bool = False, denoise_steps: int = 1) -> None:
+                 tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0) -> None:
         super().__init__(target, drafter, kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps)
         most = drafter.config.max_fill + 1
         if not 1 <= denoise_steps <= most:
             trained = (f"was trained to take at most {most - 1} drafted offsets filled in (its max_fill)" if most > 1
@@ -80,6 +100,7 @@ class DFlashProposer(FeatureProposer):
         self.max_num_spec_tokens = drafter.block_size - 1
         self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
+        self.tree_nodes = tree_nodes   # > 0: a tree of that many of the block's likeliest paths (marginal_tree)
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
         self.graphs: DFlashBlockGraphs | None = None   # use_graphs: greedy blocks in (CUDA) graphs
@@ -130,9 +151,21 @@ class DFlashProposer(FeatureProposer):
 
     def max_drafts(self, num_spec_tokens: int) -> int:
         """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up (each with
-        the chain's later drafts, with tree_tails)."""
+        the chain's later drafts, with tree_tails), or a tree of tree_nodes paths (a sampled request's chain)."""
         k = min(num_spec_tokens, self.max_num_spec_tokens)
+        if self.tree_nodes:
+            return max(k, self.tree_nodes)
         return k * self.tree_width if self.tree_tails else k + self.tree_width - 1
+
+    def tree_candidates(self, k: int) -> tuple[slice | None, int]:
+        """Which of a batch's S * k draft rows (request-major) offer candidates for a tree, and how many each:
+        every row for a tree of paths (tree_nodes), each block's first for runners-up (tree_width), none for
+        a chain."""
+        if self.tree_nodes:
+            return slice(None), min(self.tree_nodes, MAX_TREE_WIDTH)
+        if self.tree_width > 1:
+            return slice(None, None, k), self.tree_width
+        return None, 1
 
     def stats(self) -> dict[str, float]:
         return {**super().stats(), **(self.graphs.stats() if self.graphs is not None else {})}
@@ -157,10 +190,9 @@ class DFlashProposer(FeatureProposer):
 
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
-                       ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
+                       ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[Candidates]]:
         """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
-        greedy), the drafter's confidences and per request the first position's best tokens (a tree,
-        tree_width > 1; else [])."""
+        greedy), the drafter's confidences and per request its tree's candidates (tree_candidates; else [])."""
         num_seqs = len(active)
         context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
@@ -171,10 +203,9 @@ class DFlashProposer(FeatureProposer):
         hidden = self.block_hidden(last, last_stream, first, context_kv, sees, block, k)           # (S, k, H)
         # NOTE: every request's k drafts through the head in one call (greedy: the draft vocabulary's argmax only).
         params = [r.sampling_params for r in active for _ in range(k)]
-        # NOTE: a tree's candidates are the first position's: each block's first row
+        tree_rows, width = self.tree_candidates(k)
         tokens, probs, confidence, best = self.pick(hidden.reshape(num_seqs * k, -1), params,
-                                                    [g for g in generators for _ in range(k)],
-                                                    tree_rows=slice(None, None, k))
+                                                    [g for g in generators for _ in range(k)], tree_rows, width)
         for committed in range(1, min(self.denoise_steps, k)):
             # NOTE: denoising step committed + 1: offsets 1..committed keep their drafts and are given to the drafter
             # as tokens; the offsets after them are drafted again, now knowing them. Each kept draft's q is that of
@@ -190,17 +221,29 @@ class DFlashProposer(FeatureProposer):
                 span, new = slice(row * k + committed, (row + 1) * k), slice(row * rest, (row + 1) * rest)
                 tokens[span], probs[span], confidence[span] = (redrafted[0][new], redrafted[1][new],
                                                                redrafted[2][new])
-        return tokens, probs, confidence, best or [[] for _ in active]
+        return tokens, probs, confidence, self.per_request(best, num_seqs, k)
+
+    def per_request(self, rows: list[list[tuple[int, float]]], num_seqs: int, k: int) -> list[Candidates]:
+        """The candidates of the rows tree_candidates(k) selects, flat -> per request its positions' candidates."""
+        if not rows:
+            return [[] for _ in range(num_seqs)]
+        per_seq = len(rows) // num_seqs
+        return [rows[row * per_seq:(row + 1) * per_seq] for row in range(num_seqs)]
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
-               best_first: list[int], confidence: list[float] | None) -> Draft:
+               candidates: Candidates, confidence: list[float] | None) -> Draft:
         """A request's kept drafts (a chain: tokens, their q, the drafter's confidences if measured) -> its Draft; a
-        tree when the first position's best tokens (`best_first`, from `pick(..., tree_rows=...)`) offer runners-up
-        and the request is greedy."""
-        if len(best_first) > 1 and request.sampling_params.is_greedy:
-            token_ids, parents = with_siblings(tokens, best_first, self.tree_tails)
-            if len(token_ids) > len(tokens):
-                return Draft(token_ids, None, parents)
+        tree when the request is greedy and its candidates are every kept position's (tree_nodes), or are the first
+        position's and offer runners-up (tree_width)."""
+        if candidates and request.sampling_params.is_greedy:
+            path_probs = None
+            if self.tree_nodes:
+                token_ids, parents, path_probs = marginal_tree(candidates[:len(tokens)], self.tree_nodes,
+                                                               self.tree_min_prob)
+            else:
+                token_ids, parents = with_siblings(tokens, [t for t, _ in candidates[0]], self.tree_tails)
+            if self.tree_nodes or len(token_ids) > len(tokens):   # NOTE: N paths, even fewer nodes than the chain
+                return Draft(token_ids, None, parents, path_probs=path_probs)
         return Draft(tokens, None if probs[0] is None else torch.stack(probs), confidence=confidence)
 
     @torch.inference_mode()
@@ -218,8 +261,9 @@ class DFlashProposer(FeatureProposer):
         contexts = self._extend_contexts(active)
         if (self.graphs is not None and self.graphs.fits(num_seqs)
                 and all(r.sampling_params.is_greedy for r in active)):
-            tokens, confidence, best = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
+            tokens, confidence, rows = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
                                                        [r.num_tokens - 1 for r in active], block, k)
+            best = self.per_request(rows, num_seqs, k)
             probs = [None] * len(tokens)
             if confidence is None:   # NOTE: no gate: every drafted position counts as sure
                 confidence = [1.0] * len(tokens)
@@ -250,7 +294,10 @@ class DFlashProposerConfig:
     drafts too (they are drafted from the context alone, so they may follow any first token); denoise_steps: drafter
     forwards per block (1: one, all drafts in parallel): step p keeps its draft of offset p and gives the drafts kept
     so far to the next step as tokens, which drafts the later offsets again knowing them (the last step keeps all
-    it drafts); needs a drafter trained with drafter.max_fill >= denoise_steps - 1."""
+    it drafts); needs a drafter trained with drafter.max_fill >= denoise_steps - 1; tree_nodes: verify a tree of
+    the tree_nodes likeliest paths through the block's drafted offsets, each offset's candidates its best tokens and
+    a path's probability the product of theirs (0: off; lab/spec/tree.py's marginal_tree), paths below
+    tree_min_prob left out."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy.pt"
     seed: int = 0
@@ -264,6 +311,7 @@ class DFlashProposerConfig:
     tree_min_prob: float = 0.0
     tree_tails: bool = False
     denoise_steps: int = 1
+    tree_nodes: int = 0
 
     def _drafter_config(self) -> DFlashConfig:
         """The drafter's settings: the checkpoint's, or `drafter` for a random-init one (checkpoint None)."""
@@ -295,4 +343,5 @@ class DFlashProposerConfig:
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
         return DFlashProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
-                              self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps)
+                              self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps,
+                              self.tree_nodes)

@@ -68,10 +68,10 @@ class DFlashBlockGraphs:
 
     @torch.inference_mode()
     def run(self, contexts: list[_ContextKV], last_ids: list[int], first_positions: list[int], block: int,
-            k: int) -> tuple[list[int], list[float] | None, list[list[int]]]:
+            k: int) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]]]]:
         """S requests' contexts, last tokens and block starts -> their k greedy drafts each, flat (S * k,), with a
-        confidence gate the drafter's largest probability at each (else None), and per request the first
-        position's best tokens when the proposer drafts trees (tree_width > 1; else [])."""
+        confidence gate the drafter's largest probability at each (else None), and the candidates of the rows the
+        proposer's tree_candidates(k) selects, flat in request order (else [])."""
         num_seqs = len(contexts)
         width = pow2_width(max(MIN_CONTEXT_WIDTH, *(c.length for c in contexts)), self.max_context)
         key = (bucket_size(self.capture_sizes, num_seqs), width, block, k)
@@ -84,8 +84,8 @@ class DFlashBlockGraphs:
             tokens, confidence, top = self._forward(graph.inputs, block, k)
         self.num_replays += 1
         tokens_list = tokens[:num_seqs].flatten().tolist()
-        best = ([[] for _ in range(num_seqs)] if top is None
-                else self.proposer.kept_candidates(top[0][:num_seqs], top[1][:num_seqs]))
+        best = ([] if top is None
+                else self.proposer.kept_candidates(top[0][:num_seqs].flatten(0, 1), top[1][:num_seqs].flatten(0, 1)))
         return tokens_list, None if confidence is None else confidence[:num_seqs].flatten().tolist(), best
 
     def _load(self, inputs: _BlockInputs, contexts: list[_ContextKV], last_ids: list[int],
@@ -115,8 +115,9 @@ class DFlashBlockGraphs:
                                        block, k)                                                 # (P, k, H)
         scores = proposer.head_scores(hidden)                                                    # (P, k, N)
         tokens, confidence = proposer.greedy_from_scores(scores)                                 # (P, k) each
-        width = proposer.tree_width
-        top = proposer.candidates(scores[:, 0], width) if width > 1 else None                      # (P, W) each
+        tree_rows, width = proposer.tree_candidates(k)
+        # NOTE: (P, rows, W) each: every position's candidates (tree_nodes), or the first position's (tree_width)
+        top = proposer.candidates(scores[:, tree_rows], width) if tree_rows is not None else None
         for committed in range(1, min(proposer.denoise_steps, k)):   # NOTE: the proposer's denoising steps, in-graph
             hidden = proposer.block_hidden(inputs.last_ids, last_stream, inputs.first_positions, context_kv, mask,
                                            block, k, fill_ids=tokens[:, :committed])              # (P, k - c, H)

@@ -156,8 +156,8 @@ class EagleProposer(FeatureProposer):
             out = {}
             for (request, _), tree in zip(active, trees):
                 self.kv.commit(request.request_id, request.all_token_ids)
-                token_ids, parents = tree.depth_first()
-                out[request.request_id] = Draft(token_ids, None, parents)
+                token_ids, parents, path_probs = tree.depth_first()
+                out[request.request_id] = Draft(token_ids, None, parents, path_probs=path_probs)
             return out
         drafted, probs, confidence, _ = self.pick(features, params, gens)
         tokens, dists, confidences = [[t] for t in drafted], [[q] for q in probs], [[c] for c in confidence]

@@ -175,45 +175,41 @@ class FeatureProposer:
         return self.head_logits(self.output_norm(hidden))
 
     def pick(self, hidden: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-             tree_rows: slice | None = None
-             ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[int]]]:
+             tree_rows: slice | None = None, width: int = 1
+             ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[list[tuple[int, float]]]]:
         """Drafter hidden states (R, H), one row per draft -> (a token per row, its q or None when greedy, the
         drafter's confidence: the largest probability of its distribution there, 1.0 when the gate is off; and,
-        for each of the rows `tree_rows` selects when tree_width > 1, that row's best tokens if it is greedy: up to
-        tree_width, best first, those past the first only with probability >= tree_min_prob (else [], and no
-        entries without `tree_rows`)."""
-        gated, width = self.gate.active, self.tree_width if tree_rows is not None else 1
+        for each of the rows `tree_rows` selects when width > 1, that row's candidates if it is greedy: up to `width`
+        (token, probability) pairs, best first, those past the first only with probability >= tree_min_prob (else
+        [], and no entries without `tree_rows`))."""
+        gated = self.gate.active
+        width = width if tree_rows is not None else 1
         if self.draft_head is not None and all(p.is_greedy for p in params):
             # NOTE: greedy needs only the draft vocabulary's argmax, not (R, V) logits padded with -inf.
             head = self.head_scores(hidden)                                                  # (R, N)
             tokens, confidence = self.greedy_from_scores(head)
-            best = self._best(head[tree_rows], width) if width > 1 else []
+            best = self.kept_candidates(*self.candidates(head[tree_rows], width)) if width > 1 else []
             return (tokens.tolist(), [None] * len(params),
                     confidence.tolist() if confidence is not None else [1.0] * len(params), best)
         logits = self.logits(hidden)                                                         # (R, V)
         tokens, probs = pick_draft_tokens(logits, params, generators)
         best = []
         if width > 1:
-            best = [self._best(row[None], width)[0] if p.is_greedy else []
+            best = [self.kept_candidates(*self.candidates(row[None], width))[0] if p.is_greedy else []
                     for row, p in zip(logits[tree_rows], params[tree_rows])]
         return tokens, probs, confidences(logits, probs) if gated else [1.0] * len(params), best
 
-    def _best(self, scores: torch.Tensor, width: int) -> list[list[int]]:
-        """scores (R, N) -> per row its `width` best tokens, the runners-up only where their probability reaches
-        tree_min_prob."""
-        return self.kept_candidates(*self.candidates(scores, width))
-
     @staticmethod
     def candidates(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """scores (R, N) -> the `width` best tokens of each row and their probabilities, (R, width) each. No host
-        synchronisation: a CUDA graph can capture it."""
+        """scores (..., N) -> the `width` best tokens of each row and their probabilities, (..., width) each. No
+        host synchronisation: a CUDA graph can capture it."""
         top = torch.softmax(scores, -1).topk(width, -1)
         return top.indices, top.values
 
-    def kept_candidates(self, tokens: torch.Tensor, probs: torch.Tensor) -> list[list[int]]:
-        """candidates' (R, width) tokens and probabilities -> per row the best token, then the runners-up whose
-        probability reaches tree_min_prob."""
-        return [[token for rank, (token, prob) in enumerate(zip(row_tokens, row_probs))
+    def kept_candidates(self, tokens: torch.Tensor, probs: torch.Tensor) -> list[list[tuple[int, float]]]:
+        """candidates' (R, width) tokens and probabilities -> per row the best (token, probability), then the
+        runners-up whose probability reaches tree_min_prob."""
+        return [[(token, prob) for rank, (token, prob) in enumerate(zip(row_tokens, row_probs))
                  if rank == 0 or prob >= self.tree_min_prob]
                 for row_tokens, row_probs in zip(tokens.tolist(), probs.tolist())]
 

@@ -7,6 +7,7 @@ RejectionSampler can stay lossless; a deterministic proposer (n-gram) returns no
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +16,7 @@ import torch
 from lab.errors import LabError
 from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
-from lab.spec.tree import limit_depth
+from lab.spec.tree import depths, likeliest, subtree
 
 
 @dataclass(slots=True)
@@ -27,18 +28,31 @@ class Draft:
     # computes it (a confidence gate, or engine.draft_policy=goodput); None: not measured
     confidence: list[float] | None = None
     forced: bool = False                # the tokens a request's grammar forces (engine.grammar_drafts)
+    # NOTE: a tree's path probability at each node (the drafter's probabilities multiplied down the path), where the
+    # drafter computes it: a cut then keeps the likeliest nodes, not a depth-first prefix; None: not known
+    path_probs: list[float] | None = None
 
     def fit(self, max_depth: int, max_tokens: int) -> None:
         """Keep what a step may verify for a request with room for `max_tokens` more tokens: a chain's first
-        `max_depth`; a tree's nodes at most `max_depth` deep, and its first `max_tokens` of them (a depth-first
-        prefix, the chain first), so its keys never need more slots than the request's last token will."""
+        `max_depth`; a tree's nodes at most `max_depth` deep, and `max_tokens` of them, the likeliest where the path
+        probabilities are known, else the first (a depth-first prefix, the chain first), so its keys never need
+        more slots than the request's last token will."""
         if self.parents is None:
             self.token_ids = self.token_ids[:max_depth]
             if self.confidence is not None:
                 self.confidence = self.confidence[:max_depth]
         else:
-            token_ids, parents = limit_depth(self.token_ids, self.parents, max_depth)
-            self.token_ids, self.parents = token_ids[:max_tokens], parents[:max_tokens]
+            keep = [depth <= max_depth for depth in depths(self.parents)]
+            if sum(keep) > max_tokens and self.path_probs is not None:
+                # NOTE: the nodes too deep rank last, so the likeliest are all shallow enough
+                ranks = [p if k else -1.0 for p, k in zip(self.path_probs, keep)]
+                keep = likeliest(self.parents, ranks, max_tokens)
+            elif sum(keep) > max_tokens:   # NOTE: the first max_tokens shallow enough: a depth-first prefix of them
+                seen = list(itertools.accumulate(keep))
+                keep = [k and n <= max_tokens for k, n in zip(keep, seen)]
+            if self.path_probs is not None:
+                self.path_probs = [p for p, k in zip(self.path_probs, keep) if k]
+            self.token_ids, self.parents = subtree(self.token_ids, self.parents, keep)
 
 
 class Proposer(Protocol):

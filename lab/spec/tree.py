@@ -27,6 +27,8 @@ Owns: the trees' shapes: building, growing, cutting and walking them.
 
 from __future__ import annotations
 
+import heapq
+
 ROOT = -1
 
 
@@ -70,12 +72,22 @@ def row_prefixes(token_ids: list[int], parents: list[int] | None) -> list[list[i
     return prefixes
 
 
-def limit_depth(token_ids: list[int], parents: list[int], max_depth: int) -> tuple[list[int], list[int]]:
-    """The nodes at most `max_depth` deep (a request with room for that many more tokens), parents re-indexed."""
+def likeliest(parents: list[int], path_probs: list[float], max_nodes: int) -> list[bool]:
+    """Which nodes are the `max_nodes` likeliest (ties: the earlier). No node is likelier than its parent, so
+    they are a tree."""
+    ranked = sorted(range(len(parents)), key=lambda node: (-path_probs[node], node))
+    chosen = set(ranked[:max_nodes])
+    return [node in chosen for node in range(len(parents))]
+
+
+def subtree(token_ids: list[int], parents: list[int], keep: list[bool]) -> tuple[list[int], list[int]]:
+    """The nodes `keep` marks (with every ancestor of each), in their order, parents re-indexed."""
     kept: dict[int, int] = {}
     tokens, new_parents = [], []
-    for i, (token, parent, depth) in enumerate(zip(token_ids, parents, depths(parents))):
-        if depth <= max_depth:
+    for i, (token, parent) in enumerate(zip(token_ids, parents)):
+        if keep[i]:
+            if parent != ROOT and parent not in kept:
+                raise ValueError(f"node {i} is kept without its parent {parent}")
             kept[i] = len(tokens)
             tokens.append(token)
             new_parents.append(ROOT if parent == ROOT else kept[parent])
@@ -109,22 +121,65 @@ class DraftTree:
             self.path_probs.append(prob)
         self.chain_tip = self.frontier[0] if chain is not None else None
 
-    def depth_first(self) -> tuple[list[int], list[int]]:
-        """(token_ids, parents) in depth-first order, the more probable child first, so the likeliest path is the
-        leading chain (whose acceptance needs no move of keys)."""
-        children: dict[int, list[int]] = {}
-        for node, parent in enumerate(self.parents):
-            children.setdefault(parent, []).append(node)
-        tokens: list[int] = []
-        parents: list[int] = []
-        stack = [(node, ROOT) for node in sorted(children.get(ROOT, []), key=lambda n: self.path_probs[n])]
-        while stack:
-            node, parent = stack.pop()
-            index = len(tokens)
-            tokens.append(self.token_ids[node])
-            parents.append(parent)
-            stack.extend((child, index) for child in sorted(children.get(node, []), key=lambda n: self.path_probs[n]))
-        return tokens, parents
+    def depth_first(self) -> tuple[list[int], list[int], list[float]]:
+        """(token_ids, parents, path_probs) in depth-first order, the more probable child first."""
+        return depth_first(self.token_ids, self.parents, self.path_probs)
+
+
+def depth_first(token_ids: list[int], parents: list[int], path_probs: list[float]
+                ) -> tuple[list[int], list[int], list[float]]:
+    """A tree whose parents come before their children -> (token_ids, parents, path_probs) in depth-first order,
+    the more probable child first, so the likeliest path is the leading chain (whose acceptance needs no move of
+    keys)."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    tokens: list[int] = []
+    new_parents: list[int] = []
+    probs: list[float] = []
+    stack = [(node, ROOT) for node in sorted(children.get(ROOT, []), key=lambda n: path_probs[n])]
+    while stack:
+        node, parent = stack.pop()
+        index = len(tokens)
+        tokens.append(token_ids[node])
+        new_parents.append(parent)
+        probs.append(path_probs[node])
+        stack.extend((child, index) for child in sorted(children.get(node, []), key=lambda n: path_probs[n]))
+    return tokens, new_parents, probs
+
+
+def marginal_tree(candidates: list[list[tuple[int, float]]], max_nodes: int,
+                  min_prob: float = 0.0) -> tuple[list[int], list[int], list[float]]:
+    """A block drafter's tree (DFlash's `tree_nodes`): candidates[d] are position d + 1's likeliest tokens with the
+    drafter's probabilities, most probable first, each position guessed apart from the others (its marginal).
+    A path's probability is the product of its tokens' -> the `max_nodes` most probable paths (at least
+    `min_prob` each) as a tree (token_ids, parents, path_probs) in depth-first order, the greedy chain leading.
+
+    Best first: a path is never likelier than its parent or than the same path with its last token swapped for a
+    likelier one, so popping the likeliest open path and opening its first child and its next sibling visits the
+    paths in order of probability, touching about 2 * max_nodes of them."""
+    token_ids: list[int] = []
+    parents: list[int] = []
+    path_probs: list[float] = []
+    # NOTE: an open path: (-probability, tiebreak, depth index, rank at that depth, parent node)
+    frontier = [(-candidates[0][0][1], 0, 0, 0, ROOT)] if candidates and candidates[0] else []
+    opened = 1
+    while frontier and len(token_ids) < max_nodes:
+        neg_prob, _, depth, rank, parent = heapq.heappop(frontier)
+        if -neg_prob < min_prob:
+            break
+        node = len(token_ids)
+        token_ids.append(candidates[depth][rank][0])
+        parents.append(parent)
+        path_probs.append(-neg_prob)
+        parent_prob = 1.0 if parent == ROOT else path_probs[parent]
+        if rank + 1 < len(candidates[depth]):   # the next sibling
+            heapq.heappush(frontier, (-parent_prob * candidates[depth][rank + 1][1], opened, depth, rank + 1, parent))
+            opened += 1
+        if depth + 1 < len(candidates) and candidates[depth + 1]:   # the first child
+            heapq.heappush(frontier, (neg_prob * candidates[depth + 1][0][1], opened, depth + 1, 0, node))
+            opened += 1
+    return depth_first(token_ids, parents, path_probs)
 
 
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
