@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint, target_fingerprint
 from lab.models.sources import default_cache_dir, smollm2
@@ -38,8 +39,8 @@ from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.spec.feature_proposer import MAX_TREE_WIDTH
 from lab.spec.tree import depths, marginal_tree, walk_greedy
-from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
-                                 leading_runs, make_batch)
+from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, block_mask, dflash_loss,
+                                 dflash_predictions, leading_runs, make_batch)
 from lab.training.recipe import evaluate
 from lab.workloads.dataset_files import DATASETS
 
@@ -60,7 +61,7 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
                   max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1,
-                  tree_nodes: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+                  tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
     (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`)."""
@@ -77,7 +78,7 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
         steps = min(denoise_steps, drafter.config.max_fill + 1)   # NOTE: a drafter never trained with fills: 1
         for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
-                                                steps, tree_nodes).items():
+                                                steps, tree_nodes, tree_redraft).items():
             results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}
     return results
 
@@ -97,38 +98,79 @@ def walk(run_at: Callable[[int, int], int], length: int, num_spec_tokens: int) -
     return drafts, accepted
 
 
+def top_candidates(probs: torch.Tensor) -> list:
+    """probs (..., N) -> nested lists over the leading dims of each row's MAX_TREE_WIDTH likeliest (token,
+    probability), those of probability 0 left out (positions past the text's end)."""
+    top = probs.topk(MAX_TREE_WIDTH, dim=-1)
+
+    def nest(values: list, ids: list) -> list:
+        if values and isinstance(values[0], float):
+            return [(t, p) for t, p in zip(ids, values) if p > 0]
+        return [nest(v, i) for v, i in zip(values, ids)]
+    return nest(top.values.tolist(), top.indices.tolist())
+
+
 class TreeBlocks:
     """One answer's blocks (1, M) drafted as trees of their likeliest paths (DFlash's `tree_nodes`): each offset's
-    MAX_TREE_WIDTH best tokens are its candidates, as in the engine."""
+    MAX_TREE_WIDTH best tokens are its candidates, as in the engine; with `redraft` W (`tree_redraft`) offsets 2..
+    are drafted again under each of offset 1's W best tokens, given at offset 1."""
 
-    def __init__(self, predictions: BlockPredictions) -> None:
-        log_probs = torch.full((*predictions.keep.shape, predictions.logits.shape[-1]), float("-inf"))
-        log_probs[predictions.keep] = predictions.logits.log_softmax(-1)
-        top = log_probs[0].topk(MAX_TREE_WIDTH, dim=-1)                                       # (M, B-1, W)
-        self.candidates = [[[(t, p) for t, p in zip(ids, probs) if p > 0] for probs, ids in zip(*block)]
-                           for block in zip(top.values.exp().tolist(), top.indices.tolist())]
+    def __init__(self, predictions: BlockPredictions, redraft: int = 0,
+                 drafter: torch.nn.Module | None = None, target: torch.nn.Module | None = None,
+                 batch: Batch | None = None, anchors: torch.Tensor | None = None) -> None:
+        probs = torch.zeros(*predictions.keep.shape, predictions.logits.shape[-1])
+        probs[predictions.keep] = predictions.logits.softmax(-1)
+        self.candidates = top_candidates(probs[0])                                           # M x (B-1) x W
         self.text = predictions.labels[0].tolist()                                         # (M, B-1)
+        self.redrafted = None
+        if redraft:
+            firsts = torch.tensor([[t for t, _ in block[0][:redraft]] + [0] * (redraft - len(block[0][:redraft]))
+                                   for block in self.candidates])                            # (M, W)
+            later = top_candidates(redrafted_probs(drafter, target, batch, anchors, firsts))   # M x W x (B-2) x W'
+            self.redrafted = [rows[:len(block[0][:redraft])] for rows, block in zip(later, self.candidates)]
 
     def run(self, block: int, max_nodes: int, depth: int) -> int:
         """How many of block `block`'s leading offsets a tree of its `max_nodes` likeliest paths through its first
         `depth` offsets holds of the text (the tree the engine verifies, fitted to that many tokens)."""
-        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes)
+        later = None if self.redrafted is None else [rows[:depth - 1] for rows in self.redrafted[block]]
+        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes, redrafted=later)
         text = self.text[block]
         # NOTE: on the target's greedy text, the target's token at a node's row is the text's after the node
         path, _ = walk_greedy([text[0]] + [text[d] if d < depth else -1 for d in depths(parents)], token_ids, parents)
         return len(path)
 
 
+def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Batch, anchors: torch.Tensor,
+                    firsts: torch.Tensor, draft_vocab_size: int = 8192) -> torch.Tensor:
+    """One answer's blocks at `anchors` (1, M) drafted again with offset 1 given as each of `firsts` (M, W): the
+    drafter's distributions at offsets 2..B-1, (M, W, B-2, N) over the draft vocabulary (DFlashProposer._redraft)."""
+    num_blocks, width = firsts.shape
+    block, t = drafter.block_size, batch.token_ids.shape[1]
+    repeated = anchors[0].repeat_interleave(width)[None]                                     # (1, M*W)
+    stream = drafter.context_stream(batch.features)                                         # (1, T, H)
+    context = drafter.stream_kv(stream, torch.arange(t)[None])
+    first = target.embed_tokens(batch.token_ids.gather(1, repeated))                        # (1, M*W, H)
+    fills = target.embed_tokens(firsts.reshape(1, -1, 1))                                   # (1, M*W, 1, H)
+    last = stream.gather(1, (repeated - 1)[..., None].expand(-1, -1, stream.shape[-1]))     # (1, M*W, H)
+    positions = (repeated[..., None] + torch.arange(block)).reshape(1, -1)                  # (1, M*W*B)
+    hidden = drafter(drafter.block_inputs(first, last, fill_embeds=fills), positions, context,
+                     block_mask(batch.lengths, repeated, t, block))                         # (1, M*W*B, H)
+    hidden = hidden.view(num_blocks, width, block, -1)[:, :, 2:]                            # (M, W, B-2, H)
+    return F.linear(target.norm(hidden), target.lm_head.weight[:draft_vocab_size]).float().softmax(-1)
+
+
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
-               ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = ()
+               ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0
                ) -> dict[str, tuple[float, float]]:
     """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
     position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
     with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
-    the text's token). A tree verifies the N likeliest paths of the block's first k offsets, drafted in one step."""
+    the text's token). A tree verifies the N likeliest paths of the block's first k offsets, drafted in one step
+    (with `tree_redraft` W, its offsets 2.. drafted again under offset 1's W best tokens)."""
     drafter.eval()
-    names = [(str(k), k, 0) for k in ks] + [(f"{k}, tree of {n}", k, n) for k in ks for n in tree_nodes]
+    redrafted = f", redrafted under {tree_redraft}" if tree_redraft else ""
+    names = [(str(k), k, 0) for k in ks] + [(f"{k}, tree of {n}{redrafted}", k, n) for k in ks for n in tree_nodes]
     drafts, accepted = {name: 0 for name, _, _ in names}, {name: 0 for name, _, _ in names}
     every: dict[str, list[int]] = {name: [] for name, _, _ in names}
     for sequence, features in zip(*answers):
@@ -143,7 +185,8 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
         offsets = torch.arange(agree.shape[-1])
         drafted = agree[offsets.clamp(max=denoise_steps - 1), ..., offsets].movedim(0, -1)   # (1, M, B-1)
         chain_runs = leading_runs(drafted)[0].long().tolist()
-        trees = TreeBlocks(predictions[0]) if tree_nodes else None
+        trees = (TreeBlocks(predictions[0], tree_redraft, drafter, runner.model, batch, anchors)
+                 if tree_nodes else None)
         for name, k, nodes in names:
             if nodes:
                 run_at = lambda i, room: trees.run(i, min(nodes, room), min(k, room))   # noqa: E731
@@ -176,11 +219,14 @@ def main() -> None:
                         help="with --walk: also verify a tree of the N likeliest paths over the block's first K "
                              "offsets (engine.proposer.tree_nodes), drafted in one step and fitted to the answer's "
                              "room as the engine does")
+    parser.add_argument("--tree-redraft", type=int, default=0, metavar="W",
+                        help="with --tree-nodes: offsets 2.. drafted again under offset 1's W best tokens "
+                             "(engine.proposer.tree_redraft; a drafter trained with max_fill >= 1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
-                            tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes))
+                            tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes), args.tree_redraft)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"

@@ -396,6 +396,37 @@ def test_dflash_trees_of_the_likeliest_paths_are_lossless_and_walk_as_offline(tr
         assert walked["3"][0] == pytest.approx(stats[0]["spec_decode_acceptance_length"])
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_dflash_trees_redrafted_under_their_first_tokens_are_lossless_and_walk_as_offline(
+        trained: dict, max_num_seqs: int, tiny_runner: ModelRunner) -> None:
+    """tree_redraft 3: a drafter trained with offsets given drafts the block again under each of offset 1's 3 best
+    tokens, so the paths through a runner-up take their later tokens from that redraft. The trees change, the
+    output is `ar`'s, and at batch 1 the engine accepts what the offline walk of the same trees does."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    path = trained["dflash_fill"][0]
+    stats, drafts = {}, {}
+    for redraft in (0, 3):
+        config = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=12,
+                                      tree_redraft=redraft)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
+        drafts[redraft] = _record_drafts(engine)
+        result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+        assert [r.output_token_ids for r in result.requests] == expected
+        stats[redraft] = engine.stats()
+    assert stats[3]["spec/tree_off_chain_accepts"] > 0
+    assert any(a.token_ids != b.token_ids for a, b in zip(drafts[0], drafts[3]))
+    if max_num_seqs == 1:
+        answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+        drafter = load_drafter(path, "dflash", tiny_runner.model)
+        features = target_features(tiny_runner, answers, drafter.feature_layers)
+        walked = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                              tree_nodes=(12,), tree_redraft=3)
+        assert walked["3, tree of 12, redrafted under 3"][0] == pytest.approx(
+            stats[3]["spec_decode_acceptance_length"])
+
+
 def test_dflash_tree_tails_follow_every_runner_up_and_stay_lossless(trained: dict, tiny_runner: ModelRunner) -> None:
     """tree_tails: DFlash's later drafts hang under each runner-up too (tree_width x k drafts)."""
     prompts = _prompts(16, seed=3)[8:14]

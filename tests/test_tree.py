@@ -79,6 +79,11 @@ def test_a_tree_of_the_likeliest_paths_is_built_best_first() -> None:
     assert len(marginal_tree(candidates, 100)[0]) == 3 + 3 * 2 + 3 * 2 * 2   # every path, at most that many
     assert marginal_tree(candidates, 100, min_prob=0.25)[:2] == ([10, 20, 30, 11], [ROOT, 0, 1, ROOT])
     assert marginal_tree([], 5) == ([], [], []) and marginal_tree([[(7, 1.0)]], 5)[:2] == ([7], [ROOT])
+    # redrafted: the paths through first candidate r take their later tokens from redrafted[r]; 12 is a leaf
+    redrafted = [[[(20, .5), (21, .4)], [(30, .9)]], [[(25, .9)], [(35, 1.0)]]]
+    grown = marginal_tree(candidates, 100, redrafted=redrafted)
+    assert grown[:2] == ([10, 20, 30, 21, 30, 11, 25, 35, 12], [ROOT, 0, 1, 0, 3, ROOT, 5, 6, ROOT])
+    assert grown[2] == pytest.approx([.6, .3, .27, .24, .216, .3, .27, .27, .1])
     # NOTE: every path's probability is at most its parent's, so the likeliest nodes are a tree
     assert likeliest(parents, probs, 3) == [True, True, False, False, True]
     draft = Draft(tokens, None, parents, path_probs=probs)
@@ -265,7 +270,10 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
                                                                                     PagedKVCacheManager(64, 4))
     for bad, match in (({"tree_nodes": 63}, "tree_nodes must be 0"), ({"tree_nodes": 8, "tree_width": 2}, "two tree"),
                        ({"tree_nodes": 8, "tree_tails": True}, "two tree"),
-                       ({"tree_nodes": 8, "denoise_steps": 2}, "one forward")):
+                       ({"tree_nodes": 8, "denoise_steps": 2}, "one forward"),
+                       ({"tree_nodes": 8, "tree_redraft": 9}, "tree_redraft must be 0"),
+                       ({"tree_redraft": 2}, "tree_nodes too"),
+                       ({"tree_nodes": 8, "tree_redraft": 2}, "trained without given tokens")):
         with pytest.raises(LabError, match=match):
             DFlashProposerConfig(checkpoint=None, **bad).build(tiny_runner, PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="more than a verify step's tree holds"):   # a beam of 8 x 8 drafts

@@ -35,13 +35,13 @@ from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import MAX_TREE_WIDTH, ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
-from lab.spec.tree import marginal_tree, with_siblings
-
-Candidates = list[list[tuple[int, float]]]   # a request's tree candidates: per drafted position (token, probability)
+from lab.spec.tree import Candidates, marginal_tree, with_siblings
 
 
-def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denoise_steps: int) -> None:
-    """A tree of paths is its own shape: not with runners-up at the first position, nor redrafted blocks."""
+def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denoise_steps: int, tree_redraft: int,
+                      max_fill: int) -> None:
+    """A tree of paths is its own shape: not with runners-up at the first position, nor redrafted blocks; its
+    redrafts under the first position's candidates need a drafter trained with offsets given."""
     if not 0 <= tree_nodes <= MAX_TREE_TOKENS - 1:
         raise LabError(f"engine.proposer.tree_nodes must be 0 (off) to {MAX_TREE_TOKENS - 1} (a verify step's tree "
                        f"holds {MAX_TREE_TOKENS} tokens with the root), got {tree_nodes}",
@@ -54,6 +54,18 @@ def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denois
         raise LabError("engine.proposer.tree_nodes needs the whole block drafted in one forward (its paths are "
                        "built from every offset's distribution), but denoise_steps > 1 redrafts it",
                        "set engine.proposer.denoise_steps=1 with tree_nodes")
+    if not 0 <= tree_redraft <= MAX_TREE_WIDTH:
+        raise LabError(f"engine.proposer.tree_redraft must be 0 (off) to {MAX_TREE_WIDTH}, got {tree_redraft}",
+                       "e.g. engine.proposer.tree_redraft=4: the block drafted again under its 4 likeliest first "
+                       "tokens")
+    if tree_redraft and not tree_nodes:
+        raise LabError("engine.proposer.tree_redraft grows a tree of paths (tree_nodes), which is off",
+                       "set engine.proposer.tree_nodes too, e.g. 62")
+    if tree_redraft and max_fill < 1:
+        raise LabError("engine.proposer.tree_redraft drafts the block again with its first token given, but this "
+                       "drafter was trained without given tokens (max_fill 0)",
+                       "use a drafter trained with drafter.max_fill >= 1 (smollm2: engine.proposer.checkpoint="
+                       "checkpoints/smollm2/dflash_denoise.pt), or set engine.proposer.tree_redraft=0")
 
 
 class _ContextKV:
@@ -82,9 +94,10 @@ class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, kv: KVCacheManager, draft_vocab_size: int = 0,
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
-                 tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0) -> None:
+                 tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0,
+                 tree_redraft: int = 0) -> None:
         super().__init__(target, drafter, kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
-        _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps)
+        _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps, tree_redraft, drafter.config.max_fill)
         most = drafter.config.max_fill + 1
         if not 1 <= denoise_steps <= most:
             trained = (f"was trained to take at most {most - 1} drafted offsets filled in (its max_fill)" if most > 1
@@ -101,6 +114,7 @@ class DFlashProposer(FeatureProposer):
         self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
         self.tree_nodes = tree_nodes   # > 0: a tree of that many of the block's likeliest paths (marginal_tree)
+        self.tree_redraft = tree_redraft   # > 0: the later offsets drafted again under that many first tokens
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
         self.graphs: DFlashBlockGraphs | None = None   # use_graphs: greedy blocks in (CUDA) graphs
@@ -190,9 +204,11 @@ class DFlashProposer(FeatureProposer):
 
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
-                       ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[Candidates]]:
+                       ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[Candidates],
+                                  list[list[Candidates]]]:
         """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
-        greedy), the drafter's confidences and per request its tree's candidates (tree_candidates; else [])."""
+        greedy), the drafter's confidences, per request its tree's candidates (tree_candidates; else []) and, with
+        tree_redraft, its later positions' candidates drafted again under each first candidate (`_redraft`)."""
         num_seqs = len(active)
         context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
@@ -221,7 +237,36 @@ class DFlashProposer(FeatureProposer):
                 span, new = slice(row * k + committed, (row + 1) * k), slice(row * rest, (row + 1) * rest)
                 tokens[span], probs[span], confidence[span] = (redrafted[0][new], redrafted[1][new],
                                                                redrafted[2][new])
-        return tokens, probs, confidence, self.per_request(best, num_seqs, k)
+        candidates = self.per_request(best, num_seqs, k)
+        redrafted = ([[] for _ in active] if not self.tree_redraft or k < 2
+                     else self._redraft(active, contexts, candidates, (last, last_stream, first), block, k))
+        return tokens, probs, confidence, candidates, redrafted
+
+    def _redraft(self, active: list[Request], contexts: list[_ContextKV], candidates: list[Candidates],
+                 starts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], block: int, k: int
+                 ) -> list[list[Candidates]]:
+        """Positions 2..k drafted again under each greedy request's tree_redraft likeliest first tokens: one drafter
+        forward over those R blocks, each with its first-position candidate given at offset 1 (as a denoising step
+        gives its kept drafts), so a runner-up's subtree follows from it. starts: the batch's (last tokens (S,),
+        streams before the blocks (S, 1, H) or None, first positions (S,)) -> per request, per first candidate,
+        positions 2..k's candidates ([] for a request drafted as a chain)."""
+        firsts = [[token for token, _ in c[0][:self.tree_redraft]] if c and r.sampling_params.is_greedy else []
+                  for r, c in zip(active, candidates)]
+        rows = [row for row, tokens in enumerate(firsts) for _ in tokens]                  # R: a request per block
+        out: list[list[Candidates]] = [[] for _ in active]
+        if not rows:
+            return out
+        last, last_stream, first = starts
+        index = torch.tensor(rows, device=self.device)
+        fills = torch.tensor([t for tokens in firsts for t in tokens], device=self.device)[:, None]   # (R, 1)
+        context_kv, sees = self._batch_contexts([contexts[row] for row in rows], block)
+        hidden = self.block_hidden(last[index], None if last_stream is None else last_stream[index], first[index],
+                                   context_kv, sees, block, k, fill_ids=fills)                  # (R, k - 1, H)
+        scores = self.head_scores(hidden)                                                       # (R, k - 1, N)
+        kept = self.kept_candidates(*self.candidates(scores.flatten(0, 1), self.tree_candidates(k)[1]))
+        for block_row, row in enumerate(rows):
+            out[row].append(kept[block_row * (k - 1):(block_row + 1) * (k - 1)])
+        return out
 
     def per_request(self, rows: list[list[tuple[int, float]]], num_seqs: int, k: int) -> list[Candidates]:
         """The candidates of the rows tree_candidates(k) selects, flat -> per request its positions' candidates."""
@@ -231,15 +276,18 @@ class DFlashProposer(FeatureProposer):
         return [rows[row * per_seq:(row + 1) * per_seq] for row in range(num_seqs)]
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
-               candidates: Candidates, confidence: list[float] | None) -> Draft:
+               candidates: Candidates, confidence: list[float] | None,
+               redrafted: list[Candidates] | None = None) -> Draft:
         """A request's kept drafts (a chain: tokens, their q, the drafter's confidences if measured) -> its Draft; a
-        tree when the request is greedy and its candidates are every kept position's (tree_nodes), or are the first
-        position's and offer runners-up (tree_width)."""
+        tree when the request is greedy and its candidates are every kept position's (tree_nodes; `redrafted`: the
+        later positions' under each first candidate, tree_redraft), or are the first position's and offer runners-up
+        (tree_width)."""
         if candidates and request.sampling_params.is_greedy:
             path_probs = None
             if self.tree_nodes:
+                later = [c[:len(tokens) - 1] for c in redrafted] if redrafted else None
                 token_ids, parents, path_probs = marginal_tree(candidates[:len(tokens)], self.tree_nodes,
-                                                               self.tree_min_prob)
+                                                               self.tree_min_prob, later)
             else:
                 token_ids, parents = with_siblings(tokens, [t for t, _ in candidates[0]], self.tree_tails)
             if self.tree_nodes or len(token_ids) > len(tokens):   # NOTE: N paths, even fewer nodes than the chain
@@ -259,7 +307,9 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        if (self.graphs is not None and self.graphs.fits(num_seqs)
+        redrafted: list[list[Candidates]] = [[] for _ in active]
+        # NOTE: redrafting under the first candidates is eager (its blocks are R = S x tree_redraft, not S)
+        if (self.graphs is not None and self.graphs.fits(num_seqs) and not self.tree_redraft
                 and all(r.sampling_params.is_greedy for r in active)):
             tokens, confidence, rows = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
                                                        [r.num_tokens - 1 for r in active], block, k)
@@ -268,7 +318,8 @@ class DFlashProposer(FeatureProposer):
             if confidence is None:   # NOTE: no gate: every drafted position counts as sure
                 confidence = [1.0] * len(tokens)
         else:
-            tokens, probs, confidence, best = self._draft_eagerly(active, contexts, block, k, [g for _, g in pairs])
+            tokens, probs, confidence, best, redrafted = self._draft_eagerly(active, contexts, block, k,
+                                                                             [g for _, g in pairs])
         self.num_forwards += 1
         out = {}
         for row, request in enumerate(active):
@@ -277,7 +328,8 @@ class DFlashProposer(FeatureProposer):
             length = self.gate.length(confidence[span]) if self.gate.active else k
             if length:
                 out[request.request_id] = self._draft(request, tokens[span][:length], probs[span][:length],
-                                                     best[row], confidence[span][:length] if self.gate.active else None)
+                                                     best[row], confidence[span][:length] if self.gate.active else None,
+                                                     redrafted[row])
         return out
 
 
@@ -297,7 +349,9 @@ class DFlashProposerConfig:
     it drafts); needs a drafter trained with drafter.max_fill >= denoise_steps - 1; tree_nodes: verify a tree of
     the tree_nodes likeliest paths through the block's drafted offsets, each offset's candidates its best tokens and
     a path's probability the product of theirs (0: off; lab/spec/tree.py's marginal_tree), paths below
-    tree_min_prob left out."""
+    tree_min_prob left out; tree_redraft: with tree_nodes, draft the block's later offsets again under each of the
+    first position's tree_redraft likeliest tokens, given at offset 1 (one more drafter forward, eager; a drafter
+    trained with drafter.max_fill >= 1), so the paths through a runner-up follow from it."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy.pt"
     seed: int = 0
@@ -312,6 +366,7 @@ class DFlashProposerConfig:
     tree_tails: bool = False
     denoise_steps: int = 1
     tree_nodes: int = 0
+    tree_redraft: int = 0
 
     def _drafter_config(self) -> DFlashConfig:
         """The drafter's settings: the checkpoint's, or `drafter` for a random-init one (checkpoint None)."""
@@ -344,4 +399,4 @@ class DFlashProposerConfig:
         return DFlashProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
                               self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps,
-                              self.tree_nodes)
+                              self.tree_nodes, self.tree_redraft)

@@ -148,36 +148,52 @@ def depth_first(token_ids: list[int], parents: list[int], path_probs: list[float
     return tokens, new_parents, probs
 
 
-def marginal_tree(candidates: list[list[tuple[int, float]]], max_nodes: int,
-                  min_prob: float = 0.0) -> tuple[list[int], list[int], list[float]]:
+Candidates = list[list[tuple[int, float]]]   # per drafted position its likeliest (token, probability), best first
+
+
+def marginal_tree(candidates: Candidates, max_nodes: int, min_prob: float = 0.0,
+                  redrafted: list[Candidates] | None = None) -> tuple[list[int], list[int], list[float]]:
     """A block drafter's tree (DFlash's `tree_nodes`): candidates[d] are position d + 1's likeliest tokens with the
     drafter's probabilities, most probable first, each position guessed apart from the others (its marginal).
     A path's probability is the product of its tokens' -> the `max_nodes` most probable paths (at least
     `min_prob` each) as a tree (token_ids, parents, path_probs) in depth-first order, the greedy chain leading.
+    With `redrafted` (DFlash's `tree_redraft`), redrafted[r] are positions 2.. drafted again with the first
+    position's r-th candidate given: the paths through that candidate take their later tokens from it, and a first
+    candidate past len(redrafted) is a leaf.
 
     Best first: a path is never likelier than its parent or than the same path with its last token swapped for a
     likelier one, so popping the likeliest open path and opening its first child and its next sibling visits the
     paths in order of probability, touching about 2 * max_nodes of them."""
+    def level(depth: int, branch: int) -> list[tuple[int, float]]:
+        """The candidates at `depth` (0: the first position) under the first position's candidate `branch`."""
+        if redrafted is None or depth == 0:
+            return candidates[depth] if depth < len(candidates) else []
+        later = redrafted[branch] if branch < len(redrafted) else []
+        return later[depth - 1] if depth - 1 < len(later) else []
+
     token_ids: list[int] = []
     parents: list[int] = []
     path_probs: list[float] = []
-    # NOTE: an open path: (-probability, tiebreak, depth index, rank at that depth, parent node)
-    frontier = [(-candidates[0][0][1], 0, 0, 0, ROOT)] if candidates and candidates[0] else []
+    # NOTE: an open path: (-probability, tiebreak, depth, rank at that depth, parent node, first position's rank)
+    frontier = [(-candidates[0][0][1], 0, 0, 0, ROOT, 0)] if candidates and candidates[0] else []
     opened = 1
     while frontier and len(token_ids) < max_nodes:
-        neg_prob, _, depth, rank, parent = heapq.heappop(frontier)
+        neg_prob, _, depth, rank, parent, branch = heapq.heappop(frontier)
         if -neg_prob < min_prob:
             break
-        node = len(token_ids)
-        token_ids.append(candidates[depth][rank][0])
+        node, tokens = len(token_ids), level(depth, branch)
+        token_ids.append(tokens[rank][0])
         parents.append(parent)
         path_probs.append(-neg_prob)
         parent_prob = 1.0 if parent == ROOT else path_probs[parent]
-        if rank + 1 < len(candidates[depth]):   # the next sibling
-            heapq.heappush(frontier, (-parent_prob * candidates[depth][rank + 1][1], opened, depth, rank + 1, parent))
+        if rank + 1 < len(tokens):   # the next sibling
+            sibling_branch = rank + 1 if depth == 0 else branch
+            heapq.heappush(frontier, (-parent_prob * tokens[rank + 1][1], opened, depth, rank + 1, parent,
+                                      sibling_branch))
             opened += 1
-        if depth + 1 < len(candidates) and candidates[depth + 1]:   # the first child
-            heapq.heappush(frontier, (neg_prob * candidates[depth + 1][0][1], opened, depth + 1, 0, node))
+        children = level(depth + 1, branch)
+        if children:   # the first child
+            heapq.heappush(frontier, (neg_prob * children[0][1], opened, depth + 1, 0, node, branch))
             opened += 1
     return depth_first(token_ids, parents, path_probs)
 
