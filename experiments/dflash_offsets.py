@@ -77,6 +77,9 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
         steps = min(denoise_steps, drafter.config.max_fill + 1)   # NOTE: a drafter never trained with fills: 1
+        if tree_redraft and drafter.config.max_fill < 1:
+            raise SystemExit(f"{path}: --tree-redraft drafts with offset 1 given, but this drafter was trained "
+                             "without given offsets (max_fill 0); walk it without --tree-redraft")
         for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
                                                 steps, tree_nodes, tree_redraft).items():
             results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}

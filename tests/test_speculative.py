@@ -217,13 +217,14 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
                                       "eagle_gsm8k", "dflash_gsm8k", "dflash_mix", "eagle_tree", "dflash_tree",
-                                      "dflash_denoise", "dflash_paths"])
+                                      "dflash_denoise", "dflash_paths", "dflash_redraft", "dflash_onpolicy"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
-    trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers; those on ShareGPT alone;
-    those trained further on GSM8K alone; DFlash's before the target's own answers), and
-    the defaults verifying a tree of drafts (3 candidates for the first position); the drafter trained with fills,
-    drafting in 3 denoising steps."""
+    trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers, with offset 1 sometimes
+    given; those on ShareGPT alone; those trained further on GSM8K alone; DFlash's before the target's own answers
+    and before the given offsets), and the defaults verifying a tree of drafts (3 candidates for the first position;
+    DFlash's 24 likeliest paths, also redrafted under 4 first tokens); the drafter trained with fills, drafting in 3
+    denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -237,6 +238,8 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_mix": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_mix.pt"),
               "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
               "dflash_paths": DFlashProposerConfig(tree_nodes=24),
+              "dflash_redraft": DFlashProposerConfig(tree_nodes=24, tree_redraft=4),
+              "dflash_onpolicy": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_onpolicy.pt"),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),

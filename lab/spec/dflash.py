@@ -353,7 +353,7 @@ class DFlashProposerConfig:
     first position's tree_redraft likeliest tokens, given at offset 1 (one more drafter forward, eager; a drafter
     trained with drafter.max_fill >= 1), so the paths through a runner-up follow from it."""
 
-    checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy.pt"
+    checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy_fill.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
