@@ -19,6 +19,13 @@ right and wrong stretches are not spread evenly: the walk skips the positions in
 `--denoise-steps S` walks the proposer's `denoise_steps`: offset j < S drafted with the drafts of offsets 1..j-1
 filled in, the later ones with 1..S-1 (a drafter trained with `drafter.max_fill` >= S - 1).
 
+`--tree-nodes N` also walks with a tree of the block's N likeliest paths verified instead of its chain (the engine's
+`tree_nodes`, fitted to each request's room as the engine fits it), and `--tree-redraft W` redrafts its offsets 2..
+under offset 1's W best tokens (`tree_redraft`; a drafter trained with max_fill >= 1):
+
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill.pt --prompts gsm8k --sequences 32 \
+        --max-new-tokens 256 --walk 7 --tree-nodes 62 --tree-redraft 4
+
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
 (`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
 measured on, which the held-out ShareGPT answers need not resemble.
