@@ -46,8 +46,8 @@ from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.spec.feature_proposer import MAX_TREE_WIDTH
 from lab.spec.tree import depths, marginal_tree, walk_greedy
-from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, block_mask, dflash_loss,
-                                 dflash_predictions, leading_runs, make_batch)
+from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
+                                 drafted_blocks, leading_runs, make_batch)
 from lab.training.recipe import evaluate
 from lab.workloads.dataset_files import DATASETS
 
@@ -155,17 +155,9 @@ def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Ba
     """One answer's blocks at `anchors` (1, M) drafted again with offset 1 given as each of `firsts` (M, W): the
     drafter's distributions at offsets 2..B-1, (M, W, B-2, N) over the draft vocabulary (DFlashProposer._redraft)."""
     num_blocks, width = firsts.shape
-    block, t = drafter.block_size, batch.token_ids.shape[1]
     repeated = anchors[0].repeat_interleave(width)[None]                                     # (1, M*W)
-    stream = drafter.context_stream(batch.features)                                         # (1, T, H)
-    context = drafter.stream_kv(stream, torch.arange(t)[None])
-    first = target.embed_tokens(batch.token_ids.gather(1, repeated))                        # (1, M*W, H)
-    fills = target.embed_tokens(firsts.reshape(1, -1, 1))                                   # (1, M*W, 1, H)
-    last = stream.gather(1, (repeated - 1)[..., None].expand(-1, -1, stream.shape[-1]))     # (1, M*W, H)
-    positions = (repeated[..., None] + torch.arange(block)).reshape(1, -1)                  # (1, M*W*B)
-    hidden = drafter(drafter.block_inputs(first, last, fill_embeds=fills), positions, context,
-                     block_mask(batch.lengths, repeated, t, block))                         # (1, M*W*B, H)
-    hidden = hidden.view(num_blocks, width, block, -1)[:, :, 2:]                            # (M, W, B-2, H)
+    hidden = drafted_blocks(drafter, target, batch, repeated, firsts.reshape(1, -1, 1))      # (1, M*W, B, H)
+    hidden = hidden.view(num_blocks, width, drafter.block_size, -1)[:, :, 2:]              # (M, W, B-2, H)
     return F.linear(target.norm(hidden), target.lm_head.weight[:draft_vocab_size]).float().softmax(-1)
 
 

@@ -43,11 +43,12 @@ class Draft:
                 self.confidence = self.confidence[:max_depth]
         else:
             keep = [depth <= max_depth for depth in depths(self.parents)]
-            if sum(keep) > max_tokens and self.path_probs is not None:
+            too_many = sum(keep) > max_tokens
+            if too_many and self.path_probs is not None:
                 # NOTE: the nodes too deep rank last, so the likeliest are all shallow enough
                 ranks = [p if k else -1.0 for p, k in zip(self.path_probs, keep)]
                 keep = likeliest(self.parents, ranks, max_tokens)
-            elif sum(keep) > max_tokens:   # NOTE: the first max_tokens shallow enough: a depth-first prefix of them
+            elif too_many:   # NOTE: the first max_tokens shallow enough: a depth-first prefix of them
                 seen = list(itertools.accumulate(keep))
                 keep = [k and n <= max_tokens for k, n in zip(keep, seen)]
             if self.path_probs is not None:

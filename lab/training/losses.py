@@ -156,6 +156,25 @@ def leading_runs(agree: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(agree.float(), dim=-1).sum(-1)
 
 
+def drafted_blocks(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
+                   fill_ids: torch.Tensor | None = None, filled: torch.Tensor | None = None) -> torch.Tensor:
+    """The drafter's blocks at `anchors` (S, M), each seeing the context before it: the anchor's token, then
+    fill_ids (S, M, F) given at offsets 1..F (the first of them that `filled` (S, M, F) marks; None: all), then
+    masks -> hidden states (S, M, B, H)."""
+    s, t = batch.token_ids.shape
+    block = drafter.block_size
+    block_positions = (anchors[..., None] + torch.arange(block, device=anchors.device)).reshape(s, -1)   # (S, M*B)
+    stream = drafter.context_stream(batch.features)                                # (S, T, H)
+    context = drafter.stream_kv(stream, torch.arange(t, device=stream.device)[None].expand(s, t))
+    with torch.no_grad():
+        first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
+        fill_embeds = None if fill_ids is None else target.embed_tokens(fill_ids)  # (S, M, F, H)
+    last = stream.gather(1, (anchors - 1)[..., None].expand(-1, -1, stream.shape[-1]))    # (S, M, H): before each block
+    hidden = drafter(drafter.block_inputs(first, last, fill_embeds=fill_embeds, filled=filled), block_positions,
+                     context, block_mask(batch.lengths, anchors, t, block))         # (S, M*B, H)
+    return hidden.view(s, anchors.shape[1], block, -1)
+
+
 def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, anchors: torch.Tensor,
                        draft_vocab_size: int = 0, greedy_path: bool = True,
                        fills: torch.Tensor | None = None) -> BlockPredictions:
@@ -171,17 +190,10 @@ def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batc
     label_positions = block_positions.clamp(max=t - 1)
     text = batch.token_ids.gather(1, label_positions).view(s, num_anchors, block)[:, :, 1:]   # (S, M, B-1)
     labels = text.masked_fill((block_positions >= batch.lengths[:, None]).view(s, num_anchors, block)[:, :, 1:], -100)
-    stream = drafter.context_stream(batch.features)                                # (S, T, H)
-    context = drafter.stream_kv(stream, torch.arange(t, device=stream.device)[None].expand(s, t))
     num_fills = 0 if fills is None else int(fills.max())
-    with torch.no_grad():
-        first = target.embed_tokens(batch.token_ids.gather(1, anchors))            # (S, M, H)
-        fill_embeds = target.embed_tokens(text[:, :, :num_fills]) if num_fills else None   # (S, M, F, H)
-    filled = None if fill_embeds is None else torch.arange(num_fills, device=anchors.device) < fills[..., None]
-    last = stream.gather(1, (anchors - 1)[..., None].expand(-1, -1, stream.shape[-1]))    # (S, M, H): before each block
-    hidden = drafter(drafter.block_inputs(first, last, fill_embeds=fill_embeds, filled=filled), block_positions,
-                     context, block_mask(batch.lengths, anchors, t, block))         # (S, M*B, H)
-    hidden = hidden.view(s, num_anchors, block, -1)[:, :, 1:]
+    filled = None if not num_fills else torch.arange(num_fills, device=anchors.device) < fills[..., None]
+    hidden = drafted_blocks(drafter, target, batch, anchors, text[:, :, :num_fills] if num_fills else None,
+                            filled)[:, :, 1:]                                      # (S, M, B-1, H)
     keep = labels >= 0                                                             # (S, M, B-1)
     teacher = _dflash_teacher(drafter, target, batch, anchors, block)               # (S, M, B-1, H) or None
     weight, bias = _head(target, draft_vocab_size if teacher is not None else 0)
