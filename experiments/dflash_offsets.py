@@ -21,7 +21,8 @@ filled in, the later ones with 1..S-1 (a drafter trained with `drafter.max_fill`
 
 `--tree-nodes N` also walks with a tree of the block's N likeliest paths verified instead of its chain (the engine's
 `tree_nodes`, fitted to each request's room as the engine fits it), and `--tree-redraft W` redrafts its offsets 2..
-under offset 1's W best tokens (`tree_redraft`; a drafter trained with max_fill >= 1):
+under offset 1's W best tokens (`tree_redraft`; a drafter trained with max_fill >= 1), and `--tree-redraft-levels L`
+its later offsets under the tree's W likeliest 2-token paths, ... L-token paths (`tree_redraft_levels`; max_fill >= L):
 
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill.pt --prompts gsm8k --sequences 32 \
         --max-new-tokens 256 --walk 7 --tree-nodes 62 --tree-redraft 4
@@ -45,7 +46,7 @@ from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.spec.feature_proposer import MAX_TREE_WIDTH
-from lab.spec.tree import depths, marginal_tree, walk_greedy
+from lab.spec.tree import Redrafts, depths, likeliest_paths, marginal_tree, walk_greedy
 from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
                                  drafted_blocks, leading_runs, make_batch)
 from lab.training.recipe import evaluate
@@ -68,7 +69,8 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
                   max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1,
-                  tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0) -> dict[str, dict[str, float]]:
+                  tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0, tree_redraft_levels: int = 1
+                  ) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
     (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`)."""
@@ -84,11 +86,12 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
             model, runner.model, batch, anchors, generator=generator, draft_vocab_size=8192, per_offset=True)
         results[path] = evaluate(drafter, loss_fn, data[drafter.feature_layers], max_len=512)
         steps = min(denoise_steps, drafter.config.max_fill + 1)   # NOTE: a drafter never trained with fills: 1
-        if tree_redraft and drafter.config.max_fill < 1:
-            raise SystemExit(f"{path}: --tree-redraft drafts with offset 1 given, but this drafter was trained "
-                             "without given offsets (max_fill 0); walk it without --tree-redraft")
+        if tree_redraft and drafter.config.max_fill < tree_redraft_levels:
+            raise SystemExit(f"{path}: --tree-redraft drafts with offsets 1..{tree_redraft_levels} given, but this "
+                             f"drafter was trained with at most {drafter.config.max_fill} (max_fill); walk it with "
+                             "fewer --tree-redraft-levels, or without --tree-redraft")
         for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
-                                                steps, tree_nodes, tree_redraft).items():
+                                                steps, tree_nodes, tree_redraft, tree_redraft_levels).items():
             results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}
     return results
 
@@ -121,29 +124,32 @@ def top_candidates(probs: torch.Tensor) -> list:
 
 
 class TreeBlocks:
-    """One answer's blocks (1, M) drafted as trees of their likeliest paths (DFlash's `tree_nodes`): each offset's
-    MAX_TREE_WIDTH best tokens are its candidates, as in the engine; with `redraft` W (`tree_redraft`) offsets 2..
-    are drafted again under each of offset 1's W best tokens, given at offset 1."""
+    """One answer's blocks (1, M) drafted as trees of their `max_nodes` likeliest paths through their first k offsets
+    (DFlash's `tree_nodes`): each offset's MAX_TREE_WIDTH best tokens are its candidates, as in the engine; with
+    `redraft` W (`tree_redraft`) the later offsets are drafted again under the tree's W likeliest 1-token paths,
+    then (`levels`, `tree_redraft_levels`) under its W likeliest 2-token paths, and so on."""
 
-    def __init__(self, predictions: BlockPredictions, redraft: int = 0,
+    def __init__(self, predictions: BlockPredictions, k: int, max_nodes: int, redraft: int = 0, levels: int = 1,
                  drafter: torch.nn.Module | None = None, target: torch.nn.Module | None = None,
                  batch: Batch | None = None, anchors: torch.Tensor | None = None) -> None:
         probs = torch.zeros(*predictions.keep.shape, predictions.logits.shape[-1])
         probs[predictions.keep] = predictions.logits.softmax(-1)
-        self.candidates = top_candidates(probs[0])                                           # M x (B-1) x W
+        self.candidates = [block[:k] for block in top_candidates(probs[0])]                # M x k x W'
         self.text = predictions.labels[0].tolist()                                         # (M, B-1)
-        self.redrafted = None
-        if redraft:
-            firsts = torch.tensor([[t for t, _ in block[0][:redraft]] + [0] * (redraft - len(block[0][:redraft]))
-                                   for block in self.candidates])                            # (M, W)
-            later = top_candidates(redrafted_probs(drafter, target, batch, anchors, firsts))   # M x W x (B-2) x W'
-            self.redrafted = [rows[:len(block[0][:redraft])] for rows, block in zip(later, self.candidates)]
+        self.redrafts: list[Redrafts] = [{} for _ in self.candidates]
+        for depth in range(1, min(levels, k - 1) + 1) if redraft else ():
+            paths = [likeliest_paths(*marginal_tree(block, max_nodes, redrafts=redrafts), depth, redraft)
+                     for block, redrafts in zip(self.candidates, self.redrafts)]
+            fills = torch.tensor([block + [(0,) * depth] * (redraft - len(block)) for block in paths])   # (M, W, d)
+            later = top_candidates(redrafted_probs(drafter, target, batch, anchors, fills))   # M x W x (B-1-d) x W'
+            for block, (block_paths, drafted) in enumerate(zip(paths, later)):
+                self.redrafts[block] |= {path: rows[:k - depth] for path, rows in zip(block_paths, drafted)}
 
     def run(self, block: int, max_nodes: int, depth: int) -> int:
         """How many of block `block`'s leading offsets a tree of its `max_nodes` likeliest paths through its first
         `depth` offsets holds of the text (the tree the engine verifies, fitted to that many tokens)."""
-        later = None if self.redrafted is None else [rows[:depth - 1] for rows in self.redrafted[block]]
-        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes, redrafted=later)
+        later = {path: rows[:depth - len(path)] for path, rows in self.redrafts[block].items()}
+        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes, redrafts=later)
         text = self.text[block]
         # NOTE: on the target's greedy text, the target's token at a node's row is the text's after the node
         path, _ = walk_greedy([text[0]] + [text[d] if d < depth else -1 for d in depths(parents)], token_ids, parents)
@@ -151,27 +157,30 @@ class TreeBlocks:
 
 
 def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Batch, anchors: torch.Tensor,
-                    firsts: torch.Tensor, draft_vocab_size: int = 8192) -> torch.Tensor:
-    """One answer's blocks at `anchors` (1, M) drafted again with offset 1 given as each of `firsts` (M, W): the
-    drafter's distributions at offsets 2..B-1, (M, W, B-2, N) over the draft vocabulary (DFlashProposer._redraft)."""
-    num_blocks, width = firsts.shape
+                    fills: torch.Tensor, draft_vocab_size: int = 8192) -> torch.Tensor:
+    """One answer's blocks at `anchors` (1, M) drafted again with offsets 1..d given as each of `fills` (M, W, d):
+    the drafter's distributions at offsets d+1..B-1, (M, W, B-1-d, N) over the draft vocabulary
+    (DFlashProposer._redraft)."""
+    num_blocks, width, given = fills.shape
     repeated = anchors[0].repeat_interleave(width)[None]                                     # (1, M*W)
-    hidden = drafted_blocks(drafter, target, batch, repeated, firsts.reshape(1, -1, 1))      # (1, M*W, B, H)
-    hidden = hidden.view(num_blocks, width, drafter.block_size, -1)[:, :, 2:]              # (M, W, B-2, H)
+    hidden = drafted_blocks(drafter, target, batch, repeated, fills.reshape(1, -1, given))   # (1, M*W, B, H)
+    hidden = hidden.view(num_blocks, width, drafter.block_size, -1)[:, :, 1 + given:]      # (M, W, B-1-d, H)
     return F.linear(target.norm(hidden), target.lm_head.weight[:draft_vocab_size]).float().softmax(-1)
 
 
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
-               ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0
-               ) -> dict[str, tuple[float, float]]:
+               ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0,
+               tree_redraft_levels: int = 1) -> dict[str, tuple[float, float]]:
     """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
     position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
     with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
     the text's token). A tree verifies the N likeliest paths of the block's first k offsets, drafted in one step
-    (with `tree_redraft` W, its offsets 2.. drafted again under offset 1's W best tokens)."""
+    (with `tree_redraft` W, its offsets 2.. drafted again under offset 1's W best tokens, and with
+    `tree_redraft_levels` L its later offsets under its W likeliest 2-token paths, ... L-token paths)."""
     drafter.eval()
     redrafted = f", redrafted under {tree_redraft}" if tree_redraft else ""
+    redrafted += f" x {tree_redraft_levels} levels" if tree_redraft and tree_redraft_levels > 1 else ""
     names = [(str(k), k, 0) for k in ks] + [(f"{k}, tree of {n}{redrafted}", k, n) for k in ks for n in tree_nodes]
     drafts, accepted = {name: 0 for name, _, _ in names}, {name: 0 for name, _, _ in names}
     every: dict[str, list[int]] = {name: [] for name, _, _ in names}
@@ -187,10 +196,10 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
         offsets = torch.arange(agree.shape[-1])
         drafted = agree[offsets.clamp(max=denoise_steps - 1), ..., offsets].movedim(0, -1)   # (1, M, B-1)
         chain_runs = leading_runs(drafted)[0].long().tolist()
-        trees = (TreeBlocks(predictions[0], tree_redraft, drafter, runner.model, batch, anchors)
-                 if tree_nodes else None)
         for name, k, nodes in names:
             if nodes:
+                trees = TreeBlocks(predictions[0], k, nodes, tree_redraft, tree_redraft_levels, drafter, runner.model,
+                                   batch, anchors)
                 run_at = lambda i, room: trees.run(i, min(nodes, room), min(k, room))   # noqa: E731
                 runs = [trees.run(i, nodes, k) for i in range(len(chain_runs))]
             else:
@@ -224,11 +233,15 @@ def main() -> None:
     parser.add_argument("--tree-redraft", type=int, default=0, metavar="W",
                         help="with --tree-nodes: offsets 2.. drafted again under offset 1's W best tokens "
                              "(engine.proposer.tree_redraft; a drafter trained with max_fill >= 1)")
+    parser.add_argument("--tree-redraft-levels", type=int, default=1, metavar="L",
+                        help="with --tree-redraft: then under the tree's W likeliest 2-token paths, ... L-token paths "
+                             "(engine.proposer.tree_redraft_levels; a drafter trained with max_fill >= L)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
-                            tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes), args.tree_redraft)
+                            tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes), args.tree_redraft,
+                            args.tree_redraft_levels)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"

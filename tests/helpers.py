@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lab.engines.base import Engine
+from lab.engines.speculative import SpeculativeEngine
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 
@@ -65,3 +66,17 @@ def run_one_arrival_per_step(engine: Engine, requests: list[Request]) -> list[Re
     for request in requests:
         engine.release_request_state(request.request_id)
     return requests
+
+
+def record_drafts(engine: SpeculativeEngine) -> list:
+    """Every Draft the engine's proposer returns from now on, in order (the list fills as the engine runs)."""
+    drafts: list = []
+    propose = engine.proposer.propose
+
+    def recording_propose(*args):
+        out = propose(*args)
+        drafts.extend(out.values())
+        return out
+
+    engine.proposer.propose = recording_propose
+    return drafts

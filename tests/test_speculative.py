@@ -24,7 +24,7 @@ from lab.spec.eagle import EagleProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
 from lab.spec.schedule import SpecSchedule
 from lab.spec.suffix import SuffixProposerConfig
-from tests.helpers import chat_prompt, make_requests
+from tests.helpers import chat_prompt, make_requests, record_drafts
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=256, kv_cache_memory_mb=None)
 
@@ -215,16 +215,21 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
+# NOTE: a drafter trained with up to 3 offsets given, which redrafts under paths of up to 3 tokens
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_denoise.pt"
+
+
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
                                       "eagle_gsm8k", "dflash_gsm8k", "dflash_mix", "eagle_tree", "dflash_tree",
-                                      "dflash_denoise", "dflash_paths", "dflash_redraft", "dflash_onpolicy"])
+                                      "dflash_denoise", "dflash_paths", "dflash_redraft", "dflash_levels",
+                                      "dflash_onpolicy"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
     trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers, with offset 1 sometimes
     given; those on ShareGPT alone; those trained further on GSM8K alone; DFlash's before the target's own answers
     and before the given offsets), and the defaults verifying a tree of drafts (3 candidates for the first position;
-    DFlash's 24 likeliest paths, also redrafted under 4 first tokens); the drafter trained with fills, drafting in 3
-    denoising steps."""
+    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 4 paths at each of 3 levels); the
+    drafter trained with fills, drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -239,6 +244,8 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
               "dflash_paths": DFlashProposerConfig(tree_nodes=24),
               "dflash_redraft": DFlashProposerConfig(tree_nodes=24, tree_redraft=4),
+              "dflash_levels": DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=4,
+                                                    tree_redraft_levels=3),
               "dflash_onpolicy": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_onpolicy.pt"),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]
@@ -248,6 +255,23 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
     assert outputs == expected
     if proposer not in ("layerskip", "ngram"):   # the trained drafters get some of their drafts accepted
         assert engine.stats()["spec_decode_accepted_tokens"] > 0, engine.stats()
+
+
+def test_dflash_redraft_levels_change_the_trees_on_smollm2(smollm2_runner: ModelRunner) -> None:
+    """tree_redraft_levels 2: after the redraft under the 4 likeliest first tokens, the block is drafted again under
+    the tree's 4 likeliest 2-token paths, so some trees take their third offsets from those; the output stays
+    `ar`'s. (A drafter trained with 2 or more offsets given.)"""
+    prompts = [chat_prompt(smollm2_runner.tokenizer, "Count from one to twenty in words.")]
+    expected = [r.output_token_ids for r in AREngine(smollm2_runner).run(make_requests(prompts, 32)).requests]
+    drafts = {}
+    for levels in (1, 2):
+        config = DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=4,
+                                      tree_redraft_levels=levels)
+        engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, kv_cache=PagedKVCacheConfig(
+            block_size=16, num_blocks=64, kv_cache_memory_mb=None))
+        drafts[levels] = record_drafts(engine)
+        assert [r.output_token_ids for r in engine.run(make_requests(prompts, 32)).requests] == expected
+    assert any(a.token_ids != b.token_ids for a, b in zip(drafts[1], drafts[2]))
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.proposer import Draft
-from lab.spec.tree import (ROOT, DraftTree, chain_parents, depths, likeliest, marginal_tree, subtree, walk_greedy,
-                           with_siblings)
+from lab.spec.tree import (ROOT, DraftTree, chain_parents, depths, likeliest, likeliest_paths, marginal_tree, subtree,
+                           walk_greedy, with_siblings)
 from tests.helpers import make_requests
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
@@ -79,11 +79,15 @@ def test_a_tree_of_the_likeliest_paths_is_built_best_first() -> None:
     assert len(marginal_tree(candidates, 100)[0]) == 3 + 3 * 2 + 3 * 2 * 2   # every path, at most that many
     assert marginal_tree(candidates, 100, min_prob=0.25)[:2] == ([10, 20, 30, 11], [ROOT, 0, 1, ROOT])
     assert marginal_tree([], 5) == ([], [], []) and marginal_tree([[(7, 1.0)]], 5)[:2] == ([7], [ROOT])
-    # redrafted: the paths through first candidate r take their later tokens from redrafted[r]; 12 is a leaf
-    redrafted = [[[(20, .5), (21, .4)], [(30, .9)]], [[(25, .9)], [(35, 1.0)]]]
-    grown = marginal_tree(candidates, 100, redrafted=redrafted)
-    assert grown[:2] == ([10, 20, 30, 21, 30, 11, 25, 35, 12], [ROOT, 0, 1, 0, 3, ROOT, 5, 6, ROOT])
-    assert grown[2] == pytest.approx([.6, .3, .27, .24, .216, .3, .27, .27, .1])
+    # redrafts: the paths through a redrafted path take their later tokens from its redraft, the deepest along them:
+    # 10's subtree from (10,)'s, except 10-21's from (10, 21)'s; 11's from (11,)'s; 12's from the block's own
+    redrafts = {(10,): [[(20, .5), (21, .4)], [(30, .9)]], (11,): [[(25, .9)], [(35, 1.0)]], (10, 21): [[(33, .5)]]}
+    grown = marginal_tree(candidates, 100, redrafts=redrafts)
+    assert grown[:2] == ([10, 20, 30, 21, 33, 11, 25, 35, 12, 20, 30, 31, 21, 30, 31],
+                         [ROOT, 0, 1, 0, 3, ROOT, 5, 6, ROOT, 8, 9, 9, 8, 12, 12])
+    assert grown[2] == pytest.approx([.6, .3, .27, .24, .12, .3, .27, .27, .1, .05, .045, .005, .04, .036, .004])
+    assert likeliest_paths(*grown, depth=2, count=2) == [(10, 20), (11, 25)]   # .3 and .27, not 10-21's .24
+    assert likeliest_paths(*grown, depth=1, count=9) == [(10,), (11,), (12,)]
     # NOTE: every path's probability is at most its parent's, so the likeliest nodes are a tree
     assert likeliest(parents, probs, 3) == [True, True, False, False, True]
     draft = Draft(tokens, None, parents, path_probs=probs)
@@ -273,7 +277,8 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
                        ({"tree_nodes": 8, "denoise_steps": 2}, "one forward"),
                        ({"tree_nodes": 8, "tree_redraft": 9}, "tree_redraft must be 0"),
                        ({"tree_redraft": 2}, "tree_nodes too"),
-                       ({"tree_nodes": 8, "tree_redraft": 2}, "trained without given tokens")):
+                       ({"tree_nodes": 8, "tree_redraft": 2}, "trained without given tokens"),
+                       ({"tree_nodes": 8, "tree_redraft_levels": 0}, "tree_redraft_levels must be >= 1")):
         with pytest.raises(LabError, match=match):
             DFlashProposerConfig(checkpoint=None, **bad).build(tiny_runner, PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="more than a verify step's tree holds"):   # a beam of 8 x 8 drafts

@@ -35,13 +35,13 @@ from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import MAX_TREE_WIDTH, ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
-from lab.spec.tree import Candidates, marginal_tree, with_siblings
+from lab.spec.tree import Candidates, Redrafts, likeliest_paths, marginal_tree, with_siblings
 
 
 def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denoise_steps: int, tree_redraft: int,
-                      max_fill: int) -> None:
+                      tree_redraft_levels: int, max_fill: int) -> None:
     """A tree of paths is its own shape: not with runners-up at the first position, nor redrafted blocks; its
-    redrafts under the first position's candidates need a drafter trained with offsets given."""
+    redrafts under its likeliest paths need a drafter trained with that many offsets given."""
     if not 0 <= tree_nodes <= MAX_TREE_TOKENS - 1:
         raise LabError(f"engine.proposer.tree_nodes must be 0 (off) to {MAX_TREE_TOKENS - 1} (a verify step's tree "
                        f"holds {MAX_TREE_TOKENS} tokens with the root), got {tree_nodes}",
@@ -66,6 +66,16 @@ def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denois
                        "drafter was trained without given tokens (max_fill 0)",
                        "use a drafter trained with drafter.max_fill >= 1 (smollm2: engine.proposer.checkpoint="
                        "checkpoints/smollm2/dflash_denoise.pt), or set engine.proposer.tree_redraft=0")
+    if tree_redraft_levels < 1:
+        raise LabError(f"engine.proposer.tree_redraft_levels must be >= 1, got {tree_redraft_levels}",
+                       "e.g. engine.proposer.tree_redraft_levels=2: redraft under the likeliest first tokens, then "
+                       "under the likeliest two-token paths")
+    if tree_redraft and tree_redraft_levels > max_fill:
+        raise LabError(f"engine.proposer.tree_redraft_levels={tree_redraft_levels} gives the drafter paths of up "
+                       f"to {tree_redraft_levels} tokens, but this drafter was trained with at most {max_fill} given "
+                       "(its max_fill)",
+                       f"set engine.proposer.tree_redraft_levels to 1..{max_fill}, or draft with a drafter trained "
+                       f"with drafter.max_fill={tree_redraft_levels}")
 
 
 class _ContextKV:
@@ -95,9 +105,10 @@ class DFlashProposer(FeatureProposer):
                  half_weights: bool = False, gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
                  tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0,
-                 tree_redraft: int = 0) -> None:
+                 tree_redraft: int = 0, tree_redraft_levels: int = 1) -> None:
         super().__init__(target, drafter, kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
-        _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps, tree_redraft, drafter.config.max_fill)
+        _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps, tree_redraft, tree_redraft_levels,
+                          drafter.config.max_fill)
         most = drafter.config.max_fill + 1
         if not 1 <= denoise_steps <= most:
             trained = (f"was trained to take at most {most - 1} drafted offsets filled in (its max_fill)" if most > 1
@@ -114,7 +125,8 @@ class DFlashProposer(FeatureProposer):
         self.denoise_steps = denoise_steps   # drafter forwards a block: step p keeps offset p, the last the rest
         self.tree_tails = tree_tails   # the block's later drafts under every runner-up too
         self.tree_nodes = tree_nodes   # > 0: a tree of that many of the block's likeliest paths (marginal_tree)
-        self.tree_redraft = tree_redraft   # > 0: the later offsets drafted again under that many first tokens
+        self.tree_redraft = tree_redraft   # > 0: the later offsets drafted again under that many paths a level
+        self.tree_redraft_levels = tree_redraft_levels   # levels redrafted: under 1-token paths, 2-token paths, ...
         self.lookahead_masks = lookahead_masks   # None: always the trained block
         self.contexts: dict[str, _ContextKV] = {}
         self.graphs: DFlashBlockGraphs | None = None   # use_graphs: greedy blocks in (CUDA) graphs
@@ -205,10 +217,10 @@ class DFlashProposer(FeatureProposer):
     def _draft_eagerly(self, active: list[Request], contexts: list[_ContextKV], block: int, k: int,
                        generators: list[torch.Generator | None]
                        ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[Candidates],
-                                  list[list[Candidates]]]:
+                                  list[Redrafts]]:
         """One drafter forward over the batch's blocks, as it is -> flat (S * k,) tokens, their q (None when
         greedy), the drafter's confidences, per request its tree's candidates (tree_candidates; else []) and, with
-        tree_redraft, its later positions' candidates drafted again under each first candidate (`_redraft`)."""
+        tree_redraft, its later positions' candidates drafted again under its tree's likeliest paths (`_redraft`)."""
         num_seqs = len(active)
         context_kv, sees = self._batch_contexts(contexts, block)
         last = torch.tensor([r.all_token_ids[-1] for r in active], device=self.device)
@@ -238,34 +250,37 @@ class DFlashProposer(FeatureProposer):
                 tokens[span], probs[span], confidence[span] = (redrafted[0][new], redrafted[1][new],
                                                                redrafted[2][new])
         candidates = self.per_request(best, num_seqs, k)
-        redrafted = ([[] for _ in active] if not self.tree_redraft or k < 2
+        redrafted = ([{} for _ in active] if not self.tree_redraft or k < 2
                      else self._redraft(active, contexts, candidates, (last, last_stream, first), block, k))
         return tokens, probs, confidence, candidates, redrafted
 
     def _redraft(self, active: list[Request], contexts: list[_ContextKV], candidates: list[Candidates],
-                 starts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], block: int, k: int
-                 ) -> list[list[Candidates]]:
-        """Positions 2..k drafted again under each greedy request's tree_redraft likeliest first tokens: one drafter
-        forward over those R blocks, each with its first-position candidate given at offset 1 (as a denoising step
-        gives its kept drafts), so a runner-up's subtree follows from it. starts: the batch's (last tokens (S,),
-        streams before the blocks (S, 1, H) or None, first positions (S,)) -> per request, per first candidate,
-        positions 2..k's candidates ([] for a request drafted as a chain)."""
-        firsts = [[token for token, _ in c[0][:self.tree_redraft]] if c and r.sampling_params.is_greedy else []
-                  for r, c in zip(active, candidates)]
-        rows = [row for row, tokens in enumerate(firsts) for _ in tokens]                  # R: a request per block
-        out: list[list[Candidates]] = [[] for _ in active]
-        if not rows:
-            return out
+                 starts: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], block: int, k: int) -> list[Redrafts]:
+        """The block's later positions drafted again under each greedy request's likeliest paths, level by level:
+        level d gives the drafter the tree_redraft likeliest d-token paths of the tree as grown so far (at offsets
+        1..d, as a denoising step gives its kept drafts) and drafts positions d + 1..k under each, in one drafter
+        forward over those R blocks, so the subtree below a path follows from it. starts: the batch's (last tokens
+        (S,), streams before the blocks (S, 1, H) or None, first positions (S,)) -> per request, each redrafted
+        path's later candidates ({} for a request drafted as a chain)."""
+        out: list[Redrafts] = [{} for _ in active]
+        greedy = [row for row, (r, c) in enumerate(zip(active, candidates)) if c and r.sampling_params.is_greedy]
         last, last_stream, first = starts
-        index = torch.tensor(rows, device=self.device)
-        fills = torch.tensor([t for tokens in firsts for t in tokens], device=self.device)[:, None]   # (R, 1)
-        context_kv, sees = self._batch_contexts([contexts[row] for row in rows], block)
-        hidden = self.block_hidden(last[index], None if last_stream is None else last_stream[index], first[index],
-                                   context_kv, sees, block, k, fill_ids=fills)                  # (R, k - 1, H)
-        scores = self.head_scores(hidden)                                                       # (R, k - 1, N)
-        kept = self.kept_candidates(*self.candidates(scores.flatten(0, 1), self.tree_candidates(k)[1]))
-        for block_row, row in enumerate(rows):
-            out[row].append(kept[block_row * (k - 1):(block_row + 1) * (k - 1)])
+        for depth in range(1, min(self.tree_redraft_levels, k - 1) + 1):
+            paths = [(row, path) for row in greedy
+                     for path in likeliest_paths(*marginal_tree(candidates[row], self.tree_nodes, self.tree_min_prob,
+                                                                out[row]), depth, self.tree_redraft)]
+            if not paths:
+                break
+            index = torch.tensor([row for row, _ in paths], device=self.device)                 # R: a request a block
+            fills = torch.tensor([path for _, path in paths], device=self.device)                # (R, depth)
+            context_kv, sees = self._batch_contexts([contexts[row] for row, _ in paths], block)
+            hidden = self.block_hidden(last[index], None if last_stream is None else last_stream[index],
+                                       first[index], context_kv, sees, block, k, fill_ids=fills)   # (R, k - depth, H)
+            scores = self.head_scores(hidden)                                                     # (R, k - depth, N)
+            kept = self.kept_candidates(*self.candidates(scores.flatten(0, 1), self.tree_candidates(k)[1]))
+            rest = k - depth
+            for block_row, (row, path) in enumerate(paths):
+                out[row][path] = kept[block_row * rest:(block_row + 1) * rest]
         return out
 
     def per_request(self, rows: list[list[tuple[int, float]]], num_seqs: int, k: int) -> list[Candidates]:
@@ -277,15 +292,15 @@ class DFlashProposer(FeatureProposer):
 
     def _draft(self, request: Request, tokens: list[int], probs: list[torch.Tensor | None],
                candidates: Candidates, confidence: list[float] | None,
-               redrafted: list[Candidates] | None = None) -> Draft:
+               redrafts: Redrafts | None = None) -> Draft:
         """A request's kept drafts (a chain: tokens, their q, the drafter's confidences if measured) -> its Draft; a
         tree when the request is greedy and its candidates are every kept position's (tree_nodes; `redrafted`: the
-        later positions' under each first candidate, tree_redraft), or are the first position's and offer runners-up
+        later positions' under its likeliest paths, tree_redraft), or are the first position's and offer runners-up
         (tree_width)."""
         if candidates and request.sampling_params.is_greedy:
             path_probs = None
             if self.tree_nodes:
-                later = [c[:len(tokens) - 1] for c in redrafted] if redrafted else None
+                later = {path: c[:len(tokens) - len(path)] for path, c in redrafts.items()} if redrafts else None
                 token_ids, parents, path_probs = marginal_tree(candidates[:len(tokens)], self.tree_nodes,
                                                                self.tree_min_prob, later)
             else:
@@ -307,8 +322,8 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
-        redrafted: list[list[Candidates]] = [[] for _ in active]
-        # NOTE: redrafting under the first candidates is eager (its blocks are R = S x tree_redraft, not S)
+        redrafted: list[Redrafts] = [{} for _ in active]
+        # NOTE: redrafting under the likeliest paths is eager (its blocks are R = S x tree_redraft a level, not S)
         if (self.graphs is not None and self.graphs.fits(num_seqs) and not self.tree_redraft
                 and all(r.sampling_params.is_greedy for r in active)):
             tokens, confidence, rows = self.graphs.run(contexts, [r.all_token_ids[-1] for r in active],
@@ -351,7 +366,9 @@ class DFlashProposerConfig:
     a path's probability the product of theirs (0: off; lab/spec/tree.py's marginal_tree), paths below
     tree_min_prob left out; tree_redraft: with tree_nodes, draft the block's later offsets again under each of the
     first position's tree_redraft likeliest tokens, given at offset 1 (one more drafter forward, eager; a drafter
-    trained with drafter.max_fill >= 1), so the paths through a runner-up follow from it."""
+    trained with drafter.max_fill >= 1), so the paths through a runner-up follow from it; tree_redraft_levels L:
+    then under the tree's tree_redraft likeliest 2-token paths, ... L-token paths (a forward a level; a drafter
+    trained with drafter.max_fill >= L)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_onpolicy_fill.pt"
     seed: int = 0
@@ -367,6 +384,7 @@ class DFlashProposerConfig:
     denoise_steps: int = 1
     tree_nodes: int = 0
     tree_redraft: int = 0
+    tree_redraft_levels: int = 1
 
     def _drafter_config(self) -> DFlashConfig:
         """The drafter's settings: the checkpoint's, or `drafter` for a random-init one (checkpoint None)."""
@@ -399,4 +417,4 @@ class DFlashProposerConfig:
         return DFlashProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
                               self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps,
-                              self.tree_nodes, self.tree_redraft)
+                              self.tree_nodes, self.tree_redraft, self.tree_redraft_levels)

@@ -149,53 +149,69 @@ def depth_first(token_ids: list[int], parents: list[int], path_probs: list[float
 
 
 Candidates = list[list[tuple[int, float]]]   # per drafted position its likeliest (token, probability), best first
+# NOTE: a path of drafted tokens from the root (offsets 1..d) -> the candidates of positions d + 1.. drafted again with
+# that path given (DFlash's `tree_redraft`)
+Redrafts = dict[tuple[int, ...], Candidates]
 
 
 def marginal_tree(candidates: Candidates, max_nodes: int, min_prob: float = 0.0,
-                  redrafted: list[Candidates] | None = None) -> tuple[list[int], list[int], list[float]]:
+                  redrafts: Redrafts | None = None) -> tuple[list[int], list[int], list[float]]:
     """A block drafter's tree (DFlash's `tree_nodes`): candidates[d] are position d + 1's likeliest tokens with the
     drafter's probabilities, most probable first, each position guessed apart from the others (its marginal).
     A path's probability is the product of its tokens' -> the `max_nodes` most probable paths (at least
     `min_prob` each) as a tree (token_ids, parents, path_probs) in depth-first order, the greedy chain leading.
-    With `redrafted` (DFlash's `tree_redraft`), redrafted[r] are positions 2.. drafted again with the first
-    position's r-th candidate given: the paths through that candidate take their later tokens from it, and a first
-    candidate past len(redrafted) is a leaf.
+    With `redrafts` (DFlash's `tree_redraft`), the children of a node whose path was drafted again take their
+    candidates from that redraft, and so do their descendants, down to the next redrafted path: a node's later
+    positions come from the deepest redraft along its path, the block's own candidates where there is none.
 
     Best first: a path is never likelier than its parent or than the same path with its last token swapped for a
     likelier one, so popping the likeliest open path and opening its first child and its next sibling visits the
     paths in order of probability, touching about 2 * max_nodes of them."""
-    def level(depth: int, branch: int) -> list[tuple[int, float]]:
-        """The candidates at `depth` (0: the first position) under the first position's candidate `branch`."""
-        if redrafted is None or depth == 0:
-            return candidates[depth] if depth < len(candidates) else []
-        later = redrafted[branch] if branch < len(redrafted) else []
-        return later[depth - 1] if depth - 1 < len(later) else []
+    sources: Redrafts = {(): candidates, **(redrafts or {})}
+
+    def level(source: tuple[int, ...], depth: int) -> list[tuple[int, float]]:
+        """The candidates at `depth` (0: the first position) drafted with the path `source` given."""
+        drafted = sources[source]
+        return drafted[depth - len(source)] if depth - len(source) < len(drafted) else []
 
     token_ids: list[int] = []
     parents: list[int] = []
     path_probs: list[float] = []
-    # NOTE: an open path: (-probability, tiebreak, depth, rank at that depth, parent node, first position's rank)
-    frontier = [(-candidates[0][0][1], 0, 0, 0, ROOT, 0)] if candidates and candidates[0] else []
+    paths: list[tuple[int, ...]] = []
+    first = level((), 0)
+    # NOTE: an open path: (-probability, tiebreak, rank among its siblings, parent node, the redraft its level is from)
+    frontier = [(-first[0][1], 0, 0, ROOT, ())] if first else []
     opened = 1
     while frontier and len(token_ids) < max_nodes:
-        neg_prob, _, depth, rank, parent, branch = heapq.heappop(frontier)
+        neg_prob, _, rank, parent, source = heapq.heappop(frontier)
         if -neg_prob < min_prob:
             break
-        node, tokens = len(token_ids), level(depth, branch)
-        token_ids.append(tokens[rank][0])
+        above = () if parent == ROOT else paths[parent]
+        node, tokens = len(token_ids), level(source, len(above))
+        path = above + (tokens[rank][0],)
+        token_ids.append(path[-1])
         parents.append(parent)
         path_probs.append(-neg_prob)
+        paths.append(path)
         parent_prob = 1.0 if parent == ROOT else path_probs[parent]
         if rank + 1 < len(tokens):   # the next sibling
-            sibling_branch = rank + 1 if depth == 0 else branch
-            heapq.heappush(frontier, (-parent_prob * tokens[rank + 1][1], opened, depth, rank + 1, parent,
-                                      sibling_branch))
+            heapq.heappush(frontier, (-parent_prob * tokens[rank + 1][1], opened, rank + 1, parent, source))
             opened += 1
-        children = level(depth + 1, branch)
+        below = path if path in sources else source
+        children = level(below, len(path))
         if children:   # the first child
-            heapq.heappush(frontier, (neg_prob * children[0][1], opened, depth + 1, 0, node, branch))
+            heapq.heappush(frontier, (neg_prob * children[0][1], opened, 0, node, below))
             opened += 1
     return depth_first(token_ids, parents, path_probs)
+
+
+def likeliest_paths(token_ids: list[int], parents: list[int], path_probs: list[float], depth: int,
+                    count: int) -> list[tuple[int, ...]]:
+    """A tree's `count` likeliest nodes `depth` deep, as their paths from the root (ties: the earlier node): the
+    paths a redraft gives its drafter (DFlash's `tree_redraft`)."""
+    at_depth = [node for node, d in enumerate(depths(parents)) if d == depth]
+    prefixes = row_prefixes(token_ids, parents)
+    return [tuple(prefixes[node + 1]) for node in sorted(at_depth, key=lambda n: (-path_probs[n], n))[:count]]
 
 
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
