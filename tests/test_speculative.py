@@ -215,8 +215,8 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-# NOTE: a drafter trained with up to 3 offsets given, which redrafts under paths of up to 3 tokens
-LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_denoise.pt"
+# NOTE: engine=dflash_tree's drafter, trained with up to 3 offsets given: it redrafts under paths of up to 3 tokens
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_onpolicy_fill3.pt"
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
