@@ -278,7 +278,8 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
                        ({"tree_nodes": 8, "tree_redraft": 9}, "tree_redraft must be 0"),
                        ({"tree_redraft": 2}, "tree_nodes too"),
                        ({"tree_nodes": 8, "tree_redraft": 2}, "trained without given tokens"),
-                       ({"tree_nodes": 8, "tree_redraft_levels": 0}, "tree_redraft_levels must be >= 1")):
+                       ({"tree_nodes": 8, "tree_redraft_levels": 0}, "tree_redraft_levels must be >= 1"),
+                       ({"tree_nodes": 8, "tree_redraft_levels": 2}, "tree_redraft \\(the paths")):
         with pytest.raises(LabError, match=match):
             DFlashProposerConfig(checkpoint=None, **bad).build(tiny_runner, PagedKVCacheManager(64, 4))
     with pytest.raises(LabError, match="more than a verify step's tree holds"):   # a beam of 8 x 8 drafts

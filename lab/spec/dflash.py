@@ -70,6 +70,10 @@ def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denois
         raise LabError(f"engine.proposer.tree_redraft_levels must be >= 1, got {tree_redraft_levels}",
                        "e.g. engine.proposer.tree_redraft_levels=2: redraft under the likeliest first tokens, then "
                        "under the likeliest two-token paths")
+    if tree_redraft_levels > 1 and not tree_redraft:
+        raise LabError(f"engine.proposer.tree_redraft_levels={tree_redraft_levels} redrafts the tree level by level, "
+                       "but tree_redraft (the paths redrafted a level) is 0",
+                       "set engine.proposer.tree_redraft too, e.g. 4")
     if tree_redraft and tree_redraft_levels > max_fill:
         raise LabError(f"engine.proposer.tree_redraft_levels={tree_redraft_levels} gives the drafter paths of up "
                        f"to {tree_redraft_levels} tokens, but this drafter was trained with at most {max_fill} given "
@@ -294,7 +298,7 @@ class DFlashProposer(FeatureProposer):
                candidates: Candidates, confidence: list[float] | None,
                redrafts: Redrafts | None = None) -> Draft:
         """A request's kept drafts (a chain: tokens, their q, the drafter's confidences if measured) -> its Draft; a
-        tree when the request is greedy and its candidates are every kept position's (tree_nodes; `redrafted`: the
+        tree when the request is greedy and its candidates are every kept position's (tree_nodes; `redrafts`: the
         later positions' under its likeliest paths, tree_redraft), or are the first position's and offer runners-up
         (tree_width)."""
         if candidates and request.sampling_params.is_greedy:
