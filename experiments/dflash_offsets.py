@@ -46,7 +46,7 @@ from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.spec.feature_proposer import MAX_TREE_WIDTH
-from lab.spec.tree import Redrafts, depths, likeliest_paths, marginal_tree, walk_greedy
+from lab.spec.tree import Candidates, Paths, Redrafts, depths, grow_redrafts, marginal_tree, walk_greedy
 from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
                                  drafted_blocks, leading_runs, make_batch)
 from lab.training.recipe import evaluate
@@ -136,14 +136,13 @@ class TreeBlocks:
         probs[predictions.keep] = predictions.logits.softmax(-1)
         self.candidates = [block[:k] for block in top_candidates(probs[0])]                # M x k x W'
         self.text = predictions.labels[0].tolist()                                         # (M, B-1)
-        self.redrafts: list[Redrafts] = [{} for _ in self.candidates]
-        for depth in range(1, min(levels, k - 1) + 1) if redraft else ():
-            paths = [likeliest_paths(*marginal_tree(block, max_nodes, redrafts=redrafts), depth, redraft)
-                     for block, redrafts in zip(self.candidates, self.redrafts)]
+
+        def redrafted(depth: int, paths: list[Paths]) -> list[list[Candidates]]:
             fills = torch.tensor([block + [(0,) * depth] * (redraft - len(block)) for block in paths])   # (M, W, d)
             later = top_candidates(redrafted_probs(drafter, target, batch, anchors, fills))   # M x W x (B-1-d) x W'
-            for block, (block_paths, drafted) in enumerate(zip(paths, later)):
-                self.redrafts[block] |= {path: rows[:k - depth] for path, rows in zip(block_paths, drafted)}
+            return [[rows[:k - depth] for rows in drafted[:len(block)]] for block, drafted in zip(paths, later)]
+        self.redrafts: list[Redrafts] = (grow_redrafts(self.candidates, max_nodes, 0.0, redraft, min(levels, k - 1),
+                                                       redrafted) if redraft else [{} for _ in self.candidates])
 
     def run(self, block: int, max_nodes: int, depth: int) -> int:
         """How many of block `block`'s leading offsets a tree of its `max_nodes` likeliest paths through its first

@@ -35,7 +35,7 @@ from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import MAX_TREE_WIDTH, ConfidenceGate, FeatureProposer, build_drafter
 from lab.spec.proposer import Draft
-from lab.spec.tree import Candidates, Redrafts, likeliest_paths, marginal_tree, with_siblings
+from lab.spec.tree import Candidates, Paths, Redrafts, grow_redrafts, marginal_tree, with_siblings
 
 
 def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denoise_steps: int, tree_redraft: int,
@@ -266,15 +266,12 @@ class DFlashProposer(FeatureProposer):
         forward over those R blocks, so the subtree below a path follows from it. starts: the batch's (last tokens
         (S,), streams before the blocks (S, 1, H) or None, first positions (S,)) -> per request, each redrafted
         path's later candidates ({} for a request drafted as a chain)."""
-        out: list[Redrafts] = [{} for _ in active]
         greedy = [row for row, (r, c) in enumerate(zip(active, candidates)) if c and r.sampling_params.is_greedy]
         last, last_stream, first = starts
-        for depth in range(1, min(self.tree_redraft_levels, k - 1) + 1):
-            paths = [(row, path) for row in greedy
-                     for path in likeliest_paths(*marginal_tree(candidates[row], self.tree_nodes, self.tree_min_prob,
-                                                                out[row]), depth, self.tree_redraft)]
-            if not paths:
-                break
+
+        def redraft(depth: int, tree_paths: list[Paths]) -> list[list[Candidates]]:
+            """One drafter forward over the R blocks of every greedy request's paths, each given at offsets 1..depth."""
+            paths = [(row, path) for row, row_paths in zip(greedy, tree_paths) for path in row_paths]
             index = torch.tensor([row for row, _ in paths], device=self.device)                 # R: a request a block
             fills = torch.tensor([path for _, path in paths], device=self.device)                # (R, depth)
             context_kv, sees = self._batch_contexts([contexts[row] for row, _ in paths], block)
@@ -283,8 +280,14 @@ class DFlashProposer(FeatureProposer):
             scores = self.head_scores(hidden)                                                     # (R, k - depth, N)
             kept = self.kept_candidates(*self.candidates(scores.flatten(0, 1), self.tree_candidates(k)[1]))
             rest = k - depth
-            for block_row, (row, path) in enumerate(paths):
-                out[row][path] = kept[block_row * rest:(block_row + 1) * rest]
+            per_block = iter([kept[i * rest:(i + 1) * rest] for i in range(len(paths))])
+            return [[next(per_block) for _ in row_paths] for row_paths in tree_paths]
+
+        grown = grow_redrafts([candidates[row] for row in greedy], self.tree_nodes, self.tree_min_prob,
+                              self.tree_redraft, min(self.tree_redraft_levels, k - 1), redraft)
+        out: list[Redrafts] = [{} for _ in active]
+        for row, redrafts in zip(greedy, grown):
+            out[row] = redrafts
         return out
 
     def per_request(self, rows: list[list[tuple[int, float]]], num_seqs: int, k: int) -> list[Candidates]:

@@ -28,6 +28,7 @@ Owns: the trees' shapes: building, growing, cutting and walking them.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 ROOT = -1
 
@@ -212,6 +213,27 @@ def likeliest_paths(token_ids: list[int], parents: list[int], path_probs: list[f
     at_depth = [node for node, d in enumerate(depths(parents)) if d == depth]
     prefixes = row_prefixes(token_ids, parents)
     return [tuple(prefixes[node + 1]) for node in sorted(at_depth, key=lambda n: (-path_probs[n], n))[:count]]
+
+
+Paths = list[tuple[int, ...]]
+
+
+def grow_redrafts(candidates: list[Candidates], max_nodes: int, min_prob: float, width: int, levels: int,
+                  redraft: Callable[[int, list[Paths]], list[list[Candidates]]]) -> list[Redrafts]:
+    """Several blocks' trees (marginal_tree of each block's `candidates`) redrafted level by level (DFlash's
+    `tree_redraft`, `tree_redraft_levels`): level d = 1..levels takes each tree as grown so far, its `width` likeliest
+    d-token paths, and asks `redraft(d, paths)` (per tree its paths) for the positions after them drafted again with
+    each path given (per tree, per path, their candidates) -> per tree its Redrafts. The engine (DFlashProposer) and
+    the offline walk (experiments/dflash_offsets.py) grow their trees here, so they grow the same ones."""
+    out: list[Redrafts] = [{} for _ in candidates]
+    for depth in range(1, levels + 1):
+        paths = [likeliest_paths(*marginal_tree(block, max_nodes, min_prob, redrafts), depth, width)
+                 for block, redrafts in zip(candidates, out)]
+        if not any(paths):   # NOTE: no tree is that deep, nor deeper
+            break
+        for redrafts, tree_paths, drafted in zip(out, paths, redraft(depth, paths)):
+            redrafts.update(zip(tree_paths, drafted))
+    return out
 
 
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
