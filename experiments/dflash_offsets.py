@@ -27,6 +27,13 @@ its later offsets under the tree's W likeliest 2-token paths, ... L-token paths 
     python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill.pt --prompts gsm8k --sequences 32 \
         --max-new-tokens 256 --walk 7 --tree-nodes 62 --tree-redraft 4
 
+`--graft-suffix C` also walks each tree with suffix decoding's chain (at min_confidence C) grafted on, as
+engine/proposer=suffix_dflash_tree drafts it, the answers taken as the engine's requests one at a time:
+
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill3.pt --prompts mtbench \
+        --sequences 32 --max-new-tokens 256 --walk 7 --tree-nodes 62 --tree-redraft 4 --tree-redraft-levels 3 \
+        --graft-suffix 0.1
+
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
 (`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
 measured on, which the held-out ShareGPT answers need not resemble.
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,7 +54,9 @@ from lab.models.sources import default_cache_dir, smollm2
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, Sequence, generate_responses, load_training_data, target_features
 from lab.spec.feature_proposer import MAX_TREE_WIDTH
-from lab.spec.tree import Candidates, Paths, Redrafts, depths, grow_redrafts, marginal_tree, walk_greedy
+from lab.spec.proposer import Draft
+from lab.spec.suffix import SuffixProposer
+from lab.spec.tree import Candidates, Paths, Redrafts, depths, graft_chain, grow_redrafts, marginal_tree, walk_greedy
 from lab.training.losses import (CONFIDENCE_EDGES, Batch, BlockPredictions, dflash_loss, dflash_predictions,
                                  drafted_blocks, leading_runs, make_batch)
 from lab.training.recipe import evaluate
@@ -69,8 +79,8 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
                   max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1,
-                  tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0, tree_redraft_levels: int = 1
-                  ) -> dict[str, dict[str, float]]:
+                  tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0, tree_redraft_levels: int = 1,
+                  graft_suffix: float | None = None) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
     (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`)."""
@@ -91,7 +101,8 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
                              f"drafter was trained with at most {drafter.config.max_fill} (max_fill); walk it with "
                              "fewer --tree-redraft-levels, or without --tree-redraft")
         for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
-                                                steps, tree_nodes, tree_redraft, tree_redraft_levels).items():
+                                                steps, tree_nodes, tree_redraft, tree_redraft_levels,
+                                                graft_suffix).items():
             results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}
     return results
 
@@ -144,15 +155,50 @@ class TreeBlocks:
         self.redrafts: list[Redrafts] = (grow_redrafts(self.candidates, max_nodes, 0.0, redraft, min(levels, k - 1),
                                                        redrafted) if redraft else [{} for _ in self.candidates])
 
-    def run(self, block: int, max_nodes: int, depth: int) -> int:
+    def run(self, block: int, max_nodes: int, depth: int, room: int | None = None, chain: list[int] | None = None
+            ) -> int:
         """How many of block `block`'s leading offsets a tree of its `max_nodes` likeliest paths through its first
-        `depth` offsets holds of the text (the tree the engine verifies, fitted to that many tokens)."""
+        `depth` offsets holds of the text, with `chain` (suffix decoding's drafts) grafted on as the engine's
+        `graft` does, fitted to `room` more tokens (None: any) as the engine fits it (Draft.fit)."""
         later = {path: rows[:depth - len(path)] for path, rows in self.redrafts[block].items()}
-        token_ids, parents, _ = marginal_tree(self.candidates[block][:depth], max_nodes, redrafts=later)
+        token_ids, parents, path_probs = marginal_tree(self.candidates[block][:depth], max_nodes, redrafts=later)
+        if chain:
+            token_ids, parents, path_probs, _ = graft_chain(token_ids, parents, path_probs, chain, max_nodes)
+        draft = Draft(token_ids, None, parents, path_probs=path_probs)
+        if room is not None:
+            draft.fit(min(depth, room), room)
         text = self.text[block]
         # NOTE: on the target's greedy text, the target's token at a node's row is the text's after the node
-        path, _ = walk_greedy([text[0]] + [text[d] if d < depth else -1 for d in depths(parents)], token_ids, parents)
+        path, _ = walk_greedy([text[0]] + [text[d] if d < len(text) else -1 for d in depths(draft.parents)],
+                              draft.token_ids, draft.parents)
         return len(path)
+
+
+class SuffixChains:
+    """Suffix decoding's drafts along one answer (the chain `graft` puts on each tree), from a SuffixProposer that
+    has seen the earlier answers as the engine's has (finished requests join its global table)."""
+
+    def __init__(self, proposer: SuffixProposer, sequence: Sequence, request_id: str, k: int) -> None:
+        self.proposer, self.sequence, self.k = proposer, sequence, k
+        self.request = _Prefix(request_id, [])   # NOTE: one object, grown as the engine's Request grows
+
+    def at(self, position: int) -> list[int]:
+        """The chain drafted after answer token `position` (called in increasing order of positions)."""
+        self.request.all_token_ids = self.sequence.token_ids[:self.sequence.prompt_len + position + 1]
+        return self.proposer.propose_one(self.request, self.k)
+
+    def finish(self) -> None:
+        """The answer is done: all of it joins the proposer's global table, as a finished request's does."""
+        self.request.all_token_ids = list(self.sequence.token_ids)
+        self.proposer.free(self.request.request_id)
+
+
+@dataclass(slots=True)
+class _Prefix:
+    """The part of a Request a SuffixProposer reads."""
+
+    request_id: str
+    all_token_ids: list[int]
 
 
 def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Batch, anchors: torch.Tensor,
@@ -170,20 +216,29 @@ def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Ba
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
                ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0,
-               tree_redraft_levels: int = 1) -> dict[str, tuple[float, float]]:
+               tree_redraft_levels: int = 1, graft_suffix: float | None = None) -> dict[str, tuple[float, float]]:
     """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
     position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
     with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
     the text's token). A tree verifies the N likeliest paths of the block's first k offsets, drafted in one step
     (with `tree_redraft` W, its offsets 2.. drafted again under offset 1's W best tokens, and with
-    `tree_redraft_levels` L its later offsets under its W likeliest 2-token paths, ... L-token paths)."""
+    `tree_redraft_levels` L its later offsets under its W likeliest 2-token paths, ... L-token paths). With
+    `graft_suffix` (suffix decoding's min_confidence) also "k, tree of N, suffix grafted": suffix decoding's chain
+    grafted onto each tree (engine/proposer=suffix_dflash_tree), the answers taken in order as the engine's
+    requests one at a time, each joining the suffix tables when done."""
     drafter.eval()
     redrafted = f", redrafted under {tree_redraft}" if tree_redraft else ""
     redrafted += f" x {tree_redraft_levels} levels" if tree_redraft and tree_redraft_levels > 1 else ""
-    names = [(str(k), k, 0) for k in ks] + [(f"{k}, tree of {n}{redrafted}", k, n) for k in ks for n in tree_nodes]
-    drafts, accepted = {name: 0 for name, _, _ in names}, {name: 0 for name, _, _ in names}
-    every: dict[str, list[int]] = {name: [] for name, _, _ in names}
-    for sequence, features in zip(*answers):
+    names = [(str(k), k, 0, False) for k in ks]
+    for graft in (False, True) if graft_suffix is not None else (False,):
+        names += [(f"{k}, tree of {n}{redrafted}{', suffix grafted' if graft else ''}", k, n, graft)
+                  for k in ks for n in tree_nodes]
+    drafts, accepted = {name: 0 for name, *_ in names}, {name: 0 for name, *_ in names}
+    every: dict[str, list[int]] = {name: [] for name, *_ in names}
+    # NOTE: per grafted walk, suffix decoding for the walk's positions and for every position
+    suffix = {name: (SuffixProposer(min_confidence=graft_suffix), SuffixProposer(min_confidence=graft_suffix))
+              for name, _, _, graft in names if graft}
+    for number, (sequence, features) in enumerate(zip(*answers)):
         batch: Batch = make_batch([sequence], [features], max_len=len(sequence.token_ids))
         anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
         if anchors.shape[1] == 0:
@@ -195,20 +250,33 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
         offsets = torch.arange(agree.shape[-1])
         drafted = agree[offsets.clamp(max=denoise_steps - 1), ..., offsets].movedim(0, -1)   # (1, M, B-1)
         chain_runs = leading_runs(drafted)[0].long().tolist()
-        for name, k, nodes in names:
+        trees: dict[tuple[int, int], TreeBlocks] = {}
+        for name, k, nodes, graft in names:
             if nodes:
-                trees = TreeBlocks(predictions[0], k, nodes, tree_redraft, tree_redraft_levels, drafter, runner.model,
-                                   batch, anchors)
-                run_at = lambda i, room: trees.run(i, min(nodes, room), min(k, room))   # noqa: E731
-                runs = [trees.run(i, nodes, k) for i in range(len(chain_runs))]
+                if (k, nodes) not in trees:
+                    trees[k, nodes] = TreeBlocks(predictions[0], k, nodes, tree_redraft, tree_redraft_levels, drafter,
+                                                 runner.model, batch, anchors)
+                blocks = trees[k, nodes]
+                walked_chains = every_chains = None
+                if graft:
+                    walked_chains, every_chains = (SuffixChains(part, sequence, f"answer {number}", k)
+                                                   for part in suffix[name])
+
+                def run_at(i: int, room: int) -> int:
+                    return blocks.run(i, nodes, k, room, walked_chains.at(i) if walked_chains else None)
+                runs = [blocks.run(i, nodes, k, chain=every_chains.at(i) if every_chains else None)
+                        for i in range(len(chain_runs))]
             else:
                 run_at = lambda i, room: chain_runs[i]   # noqa: E731
                 runs = chain_runs
             walked = walk(run_at, len(chain_runs), k)
+            if graft:
+                walked_chains.finish()
+                every_chains.finish()
             drafts[name], accepted[name] = drafts[name] + walked[0], accepted[name] + walked[1]
             every[name] += [1 + min(run, k) for run in runs]
     return {name: (1 + accepted[name] / max(1, drafts[name]), sum(every[name]) / len(every[name]))
-            for name, _, _ in names}
+            for name, *_ in names}
 
 
 def main() -> None:
@@ -235,12 +303,15 @@ def main() -> None:
     parser.add_argument("--tree-redraft-levels", type=int, default=1, metavar="L",
                         help="with --tree-redraft: then under the tree's W likeliest 2-token paths, ... L-token paths "
                              "(engine.proposer.tree_redraft_levels; a drafter trained with max_fill >= L)")
+    parser.add_argument("--graft-suffix", type=float, default=None, metavar="MIN_CONFIDENCE",
+                        help="with --tree-nodes: also walk each tree with suffix decoding's chain grafted on "
+                             "(engine/proposer=suffix_dflash_tree), suffix decoding at this min_confidence")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
                             tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes), args.tree_redraft,
-                            args.tree_redraft_levels)
+                            args.tree_redraft_levels, args.graft_suffix)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"

@@ -25,6 +25,7 @@ def load_experiment(name: str) -> ModuleType:
         sys.path.insert(0, str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # NOTE: as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -875,11 +875,64 @@ def test_suffix_then_drafter_cascade_is_lossless_and_uses_both(trained: dict, ma
     assert engine.kv_manager.num_held_blocks == 0
 
 
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_suffix_chains_grafted_onto_dflash_trees_are_lossless_and_walk_as_offline(trained: dict, max_num_seqs: int,
+                                                                                 tiny_runner: ModelRunner) -> None:
+    """graft (engine/proposer=suffix_dflash_tree): DFlash drafts its tree of 12 paths for every request, and suffix
+    decoding's chain joins it as a branch where it drafts; the tree stays 12 nodes, the output is `ar`'s, tau does
+    not fall below the tree's alone on text that repeats itself, and at batch 1 the engine accepts what the offline
+    walk of the same grafted trees does (dflash_offsets.py --graft-suffix)."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:14]]   # a repeat: suffix decoding has matches
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    path = trained["dflash"][0]
+    tree = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=12)
+    stats, drafts = {}, {}
+    for graft in (False, True):
+        config = (CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), tree, fallback_num_spec_tokens=3,
+                                        graft=True) if graft else tree)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
+        drafts[graft] = record_drafts(engine)
+        result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+        assert [r.output_token_ids for r in result.requests] == expected
+        stats[graft] = engine.stats()
+        assert engine.kv_manager.num_held_blocks == 0
+    assert stats[True]["spec/grafted_drafts"] > 0 and stats[True]["spec/grafted_tokens"] > 0, stats[True]
+    assert max(len(d.token_ids) for d in drafts[True]) <= 12
+    tau = {graft: s["spec_decode_acceptance_length"] for graft, s in stats.items()}
+    assert tau[True] >= tau[False], tau
+    if max_num_seqs == 1:
+        answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+        drafter = load_drafter(path, "dflash", tiny_runner.model)
+        features = target_features(tiny_runner, answers, drafter.feature_layers)
+        walked = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                              tree_nodes=(12,), graft_suffix=0.1)
+        assert walked["3, tree of 12, suffix grafted"][0] == pytest.approx(tau[True])
+        assert walked["3, tree of 12"][0] == pytest.approx(tau[False])
+
+
+def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(trained: dict,
+                                                                              tiny_runner: ModelRunner) -> None:
+    """A chain-drafting fallback has no tree to graft onto: refused with the fix. A sampled request's DFlash draft is a
+    chain, so it is routed as a cascade routes it (suffix decoding's chain where it has one), and runs reproducibly."""
+    path = str(trained["dflash"][0])
+    chain = CascadeProposerConfig(SuffixProposerConfig(), DFlashProposerConfig(checkpoint=path), 3, graft=True)
+    with pytest.raises(LabError, match=r"(?s)this fallback drafts chains.*tree_nodes"):
+        SpeculativeEngine(tiny_runner, chain, num_spec_tokens=3, kv_cache=KV)
+    stats = _sampled_twice(tiny_runner, replace(chain, fallback=DFlashProposerConfig(checkpoint=path, tree_nodes=12)))
+    assert stats["spec/grafted_drafts"] == 0
+
+
 def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:
     """Suffix drafts (one-hot q) and EAGLE drafts (the head's q) share a sampled batch."""
+    _sampled_twice(tiny_runner, CascadeProposerConfig(
+        SuffixProposerConfig(), EagleProposerConfig(checkpoint=str(trained["eagle"][0])), fallback_num_spec_tokens=2))
+
+
+def _sampled_twice(tiny_runner: ModelRunner, config: CascadeProposerConfig) -> dict[str, float]:
+    """A cascade samples a batch of prompts that repeat themselves twice with one seed: the same tokens each time,
+    both proposers drafting -> the stats."""
     prompts = [p + p[:6] for p in _prompts(12, seed=3)[8:12]]
-    config = CascadeProposerConfig(SuffixProposerConfig(), EagleProposerConfig(checkpoint=str(trained["eagle"][0])),
-                                   fallback_num_spec_tokens=2)
 
     def sample() -> tuple[list[list[int]], dict[str, float]]:
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=4),
@@ -890,6 +943,7 @@ def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: M
     (first, stats), (again, _) = sample(), sample()
     assert all(len(tokens) == 16 for tokens in first) and first == again
     assert stats["spec/primary_drafts"] > 0 and stats["spec/fallback_drafts"] > 0, stats
+    return stats
 
 
 def test_cascade_refuses_a_feature_reading_primary(tiny_runner: ModelRunner) -> None:

@@ -24,8 +24,8 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.proposer import Draft
-from lab.spec.tree import (ROOT, DraftTree, chain_parents, depths, likeliest, likeliest_paths, marginal_tree, subtree,
-                           walk_greedy, with_siblings)
+from lab.spec.tree import (ROOT, DraftTree, chain_parents, depths, graft_chain, likeliest, likeliest_paths,
+                           marginal_tree, subtree, walk_greedy, with_siblings)
 from tests.helpers import make_requests
 
 needs_kernel = pytest.mark.skipif(load_kernel() is None, reason="the native kernels need a compiler and AVX2")
@@ -96,6 +96,38 @@ def test_a_tree_of_the_likeliest_paths_is_built_best_first() -> None:
     assert draft.path_probs == pytest.approx([.6, .3, .27, .3])
     draft.fit(1, 4)
     assert draft.token_ids == [10, 11] and draft.parents == [ROOT, ROOT]
+
+
+def test_a_grafted_chain_follows_the_tree_then_branches_off_and_is_kept_whole() -> None:
+    """graft_chain: another proposer's chain (suffix decoding's) joins a tree: it reuses the nodes that spell it and
+    goes on as new nodes, each as likely as its parent; cut back to max_nodes, the tree's least likely nodes leave."""
+    candidates = [[(10, .6), (11, .3), (12, .1)], [(20, .5), (21, .4)], [(30, .9), (31, .1)]]
+    tokens, parents, probs = marginal_tree(candidates, 5)   # 10-20-30, 10-21, 11 (see above)
+    grown, grown_parents, grown_probs, grafted = graft_chain(tokens, parents, probs, [10, 21, 40, 41], 7)
+    assert grafted == 2 and len(grown) == 7
+    paths = {tuple(prefix) for prefix in _paths(grown, grown_parents)}
+    assert {(10, 20, 30), (10, 21, 40, 41), (11,)} <= paths
+    assert grown_probs[grown.index(41)] == pytest.approx(.24)   # 10-21's, handed down
+    # NOTE: 5 nodes + 2 grafted, cut to 6: the least likely node off the chain (10-20-30, .27) leaves
+    cut_tokens, cut_parents, _, _ = graft_chain(tokens, parents, probs, [10, 21, 40, 41], 6)
+    assert {tuple(p) for p in _paths(cut_tokens, cut_parents)} == {(10, 20), (10, 21, 40, 41), (11,)}
+    # NOTE: cut to 3: the chain's first 3 tokens alone, above the tree's likeliest nodes
+    assert graft_chain(tokens, parents, probs, [10, 21, 40, 41], 3)[:2] == ([10, 21, 40], [ROOT, 0, 1])
+    assert graft_chain(tokens, parents, probs, [11], 5) == (tokens, parents, probs, 0)   # already there
+    assert graft_chain([], [], [], [5, 6], 4)[:3] == ([5, 6], [ROOT, 0], [1.0, 1.0])
+
+
+def _paths(token_ids: list[int], parents: list[int]) -> list[list[int]]:
+    """The path from the root to each leaf."""
+    leaves = set(range(len(parents))) - set(parents)
+    out = []
+    for leaf in sorted(leaves):
+        path, node = [], leaf
+        while node != ROOT:
+            path.append(token_ids[node])
+            node = parents[node]
+        out.append(path[::-1])
+    return out
 
 
 def test_greedy_walk_follows_the_child_the_target_picks() -> None:

@@ -1,11 +1,18 @@
 """CascadeProposer (proposer=suffix_eagle, suffix_dflash, or any pair): a free proposer first, a model drafter where it
-has nothing to say.
+has nothing to say; or, with `graft` (proposer=suffix_dflash_tree), the free proposer's chain grafted onto the
+drafter's tree.
 
 Suffix decoding drafts only where earlier text makes a continuation likely, and then several tokens
 for free; elsewhere it drafts nothing and the step is a plain decode. The fallback (a trained drafter,
 EAGLE by default) drafts exactly those requests, with its own, shorter budget (a model draft costs time
 and is less sure). Each request's draft comes from one proposer, so the rejection sampler sees one q per
 token as before: deterministic for the primary (suffix), the drafter's for the fallback; lossless either way.
+
+With `graft`, the fallback drafts every request, and where it drafts a tree (greedy requests) the primary's chain
+joins it as one more branch (tree.graft_chain): the tree's least likely nodes make room for it, and the verify walks
+whichever path the target's text follows. Suffix decoding is right where text repeats (a request's own earlier
+output, its prompt), a block drafter where it follows from the context's meaning, and a tree holds both. A chain
+from the fallback (a sampling request) is routed as above.
 
 The fallback is called only for some steps, so it must catch up on the tokens accepted meanwhile; EAGLE
 and DFlash do (they keep the draft KV of every position fed real target features and run the rest).
@@ -24,10 +31,12 @@ from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.spec.proposer import Draft, Proposer, check_num_spec_tokens
+from lab.spec.tree import graft_chain
 
 
 class CascadeProposer:
-    def __init__(self, primary: Proposer, fallback: Proposer, fallback_num_spec_tokens: int) -> None:
+    def __init__(self, primary: Proposer, fallback: Proposer, fallback_num_spec_tokens: int,
+                 graft: bool = False) -> None:
         if primary.feature_layers:
             raise LabError("the cascade's primary proposer must not read target features",
                            "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
@@ -35,8 +44,14 @@ class CascadeProposer:
                               "the fallback", lowest=0)
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
+        self.graft = graft
+        if graft and not getattr(fallback, "drafts_trees", False):
+            raise LabError("engine.proposer.graft grafts the primary's chain onto the fallback's trees of drafts, but "
+                           "this fallback drafts chains", "give the fallback trees (engine.proposer.fallback.tree_nodes "
+                           "or tree_width; engine/proposer=suffix_dflash_tree), or set engine.proposer.graft=false")
         self.feature_layers = fallback.feature_layers
         self.num_primary_drafts = self.num_fallback_drafts = 0
+        self.num_grafted_drafts = self.num_grafted_tokens = 0
 
     def observe(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         self.fallback.observe(slot_mapping, features)
@@ -45,13 +60,37 @@ class CascadeProposer:
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
         drafts = {rid: d for rid, d in self.primary.propose(requests, num_spec_tokens, generators).items()
                   if d.token_ids}
-        rest = [(r, g) for r, g in zip(requests, generators) if r.request_id not in drafts]
+        rest = [(r, g) for r, g in zip(requests, generators) if self.graft or r.request_id not in drafts]
         budget = min(num_spec_tokens, self.fallback_num_spec_tokens)
         fallback = (self.fallback.propose([r for r, _ in rest], budget, [g for _, g in rest])
                     if rest and budget > 0 else {})
-        self.num_primary_drafts += len(drafts)
+        if self.graft:
+            fallback = self._grafted(drafts, fallback, self.fallback.max_drafts(budget))
+        self.num_primary_drafts += sum(1 for rid in drafts if rid not in fallback)
         self.num_fallback_drafts += sum(1 for d in fallback.values() if d.token_ids)
         return {**drafts, **fallback}
+
+    def _grafted(self, chains: dict[str, Draft], trees: dict[str, Draft], max_nodes: int) -> dict[str, Draft]:
+        """The fallback's trees with the primary's chain of the same request grafted on (at most `max_nodes` nodes,
+        the fallback's own tree size); its chains dropped where the primary drafted, so the primary's go instead."""
+        out = {}
+        for rid, tree in trees.items():
+            chain = chains.get(rid)
+            if tree.parents is None or not tree.token_ids:
+                if chain is None and tree.token_ids:   # NOTE: a chain (a sampling request): routed as a cascade
+                    out[rid] = tree
+                continue
+            if chain is not None:
+                # NOTE: a tree without path probabilities ranks its nodes in depth-first order, as Draft.fit cuts it
+                num_nodes = len(tree.token_ids)
+                ranks = tree.path_probs or [1.0 - node / (num_nodes + 1) for node in range(num_nodes)]
+                token_ids, parents, ranks, grafted = graft_chain(tree.token_ids, tree.parents, ranks,
+                                                                 chain.token_ids, max_nodes)
+                tree = Draft(token_ids, None, parents, path_probs=ranks if tree.path_probs is not None else None)
+                self.num_grafted_drafts += grafted > 0
+                self.num_grafted_tokens += grafted
+            out[rid] = tree
+        return out
 
     def max_drafts(self, num_spec_tokens: int) -> int:
         """The primary's chain, or the fallback's draft (a tree, if it drafts trees) within its budget."""
@@ -71,17 +110,22 @@ class CascadeProposer:
         self.fallback.reset_history()
 
     def stats(self) -> dict[str, float]:
-        return {**self.primary.stats(), **self.fallback.stats(),
-                "spec/primary_drafts": self.num_primary_drafts, "spec/fallback_drafts": self.num_fallback_drafts}
+        stats = {**self.primary.stats(), **self.fallback.stats(),
+                 "spec/primary_drafts": self.num_primary_drafts, "spec/fallback_drafts": self.num_fallback_drafts}
+        if self.graft:
+            stats |= {"spec/grafted_drafts": self.num_grafted_drafts, "spec/grafted_tokens": self.num_grafted_tokens}
+        return stats
 
 
 @dataclass(slots=True)
 class CascadeProposerConfig:
-    """conf/engine/proposer/suffix_eagle.yaml, suffix_dflash.yaml: `primary` and `fallback` are proposer configs."""
+    """conf/engine/proposer/suffix_eagle.yaml, suffix_dflash.yaml, suffix_dflash_tree.yaml: `primary` and `fallback`
+    are proposer configs; `graft` grafts the primary's chain onto the fallback's trees instead of routing."""
 
     primary: Any = None
     fallback: Any = None
     fallback_num_spec_tokens: int = 2
+    graft: bool = False
 
     def kv_bytes_per_token(self, target: Any) -> int:
         """What both proposers keep per target KV slot."""
@@ -95,5 +139,5 @@ class CascadeProposerConfig:
         if self.fallback_num_spec_tokens < 0:
             raise LabError(f"engine.proposer.fallback_num_spec_tokens must be >= 0, got {self.fallback_num_spec_tokens}",
                            "use 0 (primary only) to num_spec_tokens")
-        return CascadeProposer(self.primary.build(target, kv),
-                               self.fallback.build(target, kv), self.fallback_num_spec_tokens)
+        return CascadeProposer(self.primary.build(target, kv), self.fallback.build(target, kv),
+                               self.fallback_num_spec_tokens, self.graft)

@@ -179,6 +179,10 @@ class DFlashProposer(FeatureProposer):
             sees[row, :, :, :context.length] = True
         return [(layer[0], layer[1]) for layer in padded], sees
 
+    @property
+    def drafts_trees(self) -> bool:
+        return self.tree_width > 1 or self.tree_nodes > 0
+
     def max_drafts(self, num_spec_tokens: int) -> int:
         """The most tokens a draft of `num_spec_tokens` positions holds: the chain and its runners-up (each with
         the chain's later drafts, with tree_tails), or a tree of tree_nodes paths (a sampled request's chain)."""

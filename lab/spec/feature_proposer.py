@@ -156,6 +156,11 @@ class FeatureProposer:
         self.num_forwards = 0
         self.num_unready = 0   # requests not drafted because some of their features were never computed
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether a greedy request's draft is a tree (several candidates a position), not a chain."""
+        return self.tree_width > 1
+
     def observe(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         """features (N, F) of one target forward; slot_mapping (N,): the KV slot of each row."""
         self.store.write_slots(slot_mapping, features)

@@ -236,6 +236,47 @@ def grow_redrafts(candidates: list[Candidates], max_nodes: int, min_prob: float,
     return out
 
 
+def graft_chain(token_ids: list[int], parents: list[int], path_probs: list[float], chain: list[int],
+                max_nodes: int) -> tuple[list[int], list[int], list[float], int]:
+    """A tree (token_ids, parents, path_probs) with `chain` (another proposer's drafts, e.g. suffix decoding's)
+    grafted on from the root: the chain follows the tree's nodes while they spell it, and goes on as new nodes where
+    they stop. A grafted node is as likely as its parent (the chain's proposer drafts only where it is sure), so the
+    whole chain is kept when the tree is cut back to its `max_nodes` likeliest nodes, the tree's least likely ones
+    leaving for it -> (token_ids, parents, path_probs) in depth-first order, the number of nodes grafted."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, token_ids))}
+    token_ids, parents, path_probs = list(token_ids), list(parents), list(path_probs)
+    node, grafted = ROOT, 0
+    for token in chain[:max_nodes]:
+        if (node, token) in children:
+            node = children[node, token]
+            continue
+        path_probs.append(1.0 if node == ROOT else path_probs[node])
+        token_ids.append(token)
+        parents.append(node)
+        node, grafted = len(token_ids) - 1, grafted + 1
+    if len(token_ids) > max_nodes:
+        # NOTE: the chain ranks above every node of the tree that is not on it (ties go to the earlier node)
+        ranks = [2.0 if rank_above else p for p, rank_above in zip(path_probs, on_path(parents, node))]
+        token_ids, parents, path_probs = cut(token_ids, parents, path_probs, likeliest(parents, ranks, max_nodes))
+    return (*depth_first(token_ids, parents, path_probs), grafted)
+
+
+def on_path(parents: list[int], node: int) -> list[bool]:
+    """Which nodes lie on the path from the root down to `node` (ROOT: none)."""
+    marked = [False] * len(parents)
+    while node != ROOT:
+        marked[node] = True
+        node = parents[node]
+    return marked
+
+
+def cut(token_ids: list[int], parents: list[int], path_probs: list[float], keep: list[bool]
+        ) -> tuple[list[int], list[int], list[float]]:
+    """subtree() that keeps each kept node's path probability beside it."""
+    kept_tokens, kept_parents = subtree(token_ids, parents, keep)
+    return kept_tokens, kept_parents, [p for p, k in zip(path_probs, keep) if k]
+
+
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
     """target_ids (1 + n): the target's greedy token at the root's row, then at each node's row -> (the accepted
     nodes from the root down, the target's token after the last of them)."""
