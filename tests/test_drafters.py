@@ -911,6 +911,22 @@ def test_suffix_chains_grafted_onto_dflash_trees_are_lossless_and_walk_as_offlin
         assert walked["3, tree of 12"][0] == pytest.approx(tau[False])
 
 
+def test_a_chain_grafted_onto_runners_up_without_path_probabilities_stays_lossless(trained: dict,
+                                                                                  tiny_runner: ModelRunner) -> None:
+    """tree_width 3 drafts the chain and 2 runners-up with no path probabilities: the grafted tree ranks its nodes
+    depth first, as Draft.fit does, keeps the suffix chain whole within the tree's 5 nodes, and the output is `ar`'s."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:12]]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    config = CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), DFlashProposerConfig(
+        checkpoint=str(trained["dflash"][0]), tree_width=3), fallback_num_spec_tokens=3, graft=True)
+    engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    drafts = record_drafts(engine)
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    assert engine.stats()["spec/grafted_drafts"] > 0
+    assert all(len(d.token_ids) <= 5 and d.path_probs is None for d in drafts if d.parents is not None)
+
+
 def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(trained: dict,
                                                                               tiny_runner: ModelRunner) -> None:
     """A chain-drafting fallback has no tree to graft onto: refused with the fix. A sampled request's DFlash draft is a
