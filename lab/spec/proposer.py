@@ -16,7 +16,7 @@ import torch
 from lab.errors import LabError
 from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
-from lab.spec.tree import depths, likeliest, subtree
+from lab.spec.tree import cut, depths, likeliest
 
 
 @dataclass(slots=True)
@@ -51,9 +51,7 @@ class Draft:
             elif too_many:   # NOTE: the first max_tokens shallow enough: a depth-first prefix of them
                 seen = list(itertools.accumulate(keep))
                 keep = [k and n <= max_tokens for k, n in zip(keep, seen)]
-            if self.path_probs is not None:
-                self.path_probs = [p for p, k in zip(self.path_probs, keep) if k]
-            self.token_ids, self.parents = subtree(self.token_ids, self.parents, keep)
+            self.token_ids, self.parents, self.path_probs = cut(self.token_ids, self.parents, self.path_probs, keep)
 
 
 class Proposer(Protocol):

@@ -270,11 +270,11 @@ def on_path(parents: list[int], node: int) -> list[bool]:
     return marked
 
 
-def cut(token_ids: list[int], parents: list[int], path_probs: list[float], keep: list[bool]
-        ) -> tuple[list[int], list[int], list[float]]:
-    """subtree() that keeps each kept node's path probability beside it."""
+def cut(token_ids: list[int], parents: list[int], path_probs: list[float] | None, keep: list[bool]
+        ) -> tuple[list[int], list[int], list[float] | None]:
+    """subtree() that keeps each kept node's path probability beside it (None: none known)."""
     kept_tokens, kept_parents = subtree(token_ids, parents, keep)
-    return kept_tokens, kept_parents, [p for p, k in zip(path_probs, keep) if k]
+    return kept_tokens, kept_parents, None if path_probs is None else [p for p, k in zip(path_probs, keep) if k]
 
 
 def walk_greedy(target_ids: list[int], token_ids: list[int], parents: list[int]) -> tuple[list[int], int]:
