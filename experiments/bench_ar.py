@@ -6,7 +6,9 @@ tok/s is n / (last token - scheduling), prefill included. The roofline for batch
 bandwidth / weight bytes: every step streams every weight matrix once (a tied embedding is counted
 once, since only its row is gathered but the lm_head reads the whole matrix). `ar` streams SmolLM2's
 projections as their exact GGUF blocks (model.weight_blocks=auto, lab/models/weight_blocks.py), so its
-roofline is the blocks' bytes; `ar-fp32` is the same engine on the fp32 weights (weight_blocks=off).
+roofline is the blocks' bytes; `ar-fp32` is the same engine on the fp32 weights (weight_blocks=off). Where the CPU
+has AMX-BF16, `ar` streams them as AMX tiles (model.block_kernel=auto, lab/models/native_tiles.py) and `ar-avx`
+is the same engine on the AVX blocks (block_kernel=avx, bit-identical to fp32).
 
     python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
     python experiments/bench_ar.py --quick         # a short run
@@ -159,6 +161,8 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     engines: list[Engine | LlamaCppDecoder] = [AREngine(runner), HFEngine(runner, batch_size=1)]
     if runner.block_linears:     # NOTE: the baseline the blocks are measured against, in the same turns
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", weight_blocks="off"), name="ar-fp32"))
+    if runner.block_kernel == "amx":   # NOTE: the AVX blocks (bit-identical to fp32) against the AMX tiles
+        engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", block_kernel="avx"), name="ar-avx"))
     if args.llama_cpp and dtype == "float32":
         engines.append(LlamaCppDecoder(torch.get_num_threads(), args.prompt_len + args.new_tokens + 8))
     if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
@@ -172,8 +176,9 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
     for _ in range(args.reps):
         for engine in engines:
             run_once(engine, prompt, args.new_tokens, results[engine.name])
-    streamed = {name: runner.weight_bytes for name in results}
-    streamed["ar"] = runner.streamed_weight_bytes
+    streamed = {engine.name: runner.weight_bytes for engine in engines}      # NOTE: hf (and llama.cpp) read fp32
+    streamed.update({engine.name: engine.runner.streamed_weight_bytes for engine in engines
+                     if isinstance(engine, AREngine)})
     return DtypeResult(streamed, results)
 
 

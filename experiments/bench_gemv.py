@@ -17,6 +17,9 @@ stays in the L3 cache (gate_up's 7 MB), so no call waits on DRAM and M rows cost
 against the one-row DRAM rate of the streaming table says how many one-row calls M rows can never go below on
 this core, however the weight traffic is hidden under the arithmetic (docs/speculative.md, session 19).
 
+`--tiles` times the same blocks through the AVX kernel against AMX tiles (lab/models/native_tiles.py; a CPU with
+AMX-BF16), with each row count's cost in one-row calls and the tiles' error against the exact product.
+
 `--blocks` (with --rows) times the weights as GGUF blocks (lab/models/weight_blocks.py) against the same values in
 fp32: all 120 projections of SmolLM2's 30 layers (random values rounded to Q4_1, one copy each, as a decode step
 streams them) and the Q8_0 head, per row count, through the AVX2 kernel and, where the CPU has AVX-512F/VL, the
@@ -26,6 +29,7 @@ AVX-512 one (the same code for 1-3 rows; 4-5 rows in registers), checking every 
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
     python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
     python experiments/bench_gemv.py --rows 1,2,3,5,8,12 --blocks
+    python experiments/bench_gemv.py --tiles        # AVX blocks against AMX tiles, 1-64 rows
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lab.models import native_gemv, weight_blocks
+from lab.models import native_gemv, native_tiles, weight_blocks
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
@@ -65,12 +69,19 @@ def main() -> None:
     parser.add_argument("--rows", default="", help="comma-separated row counts for the few-rows table")
     parser.add_argument("--floor", action="store_true", help="also the arithmetic floor of each row count")
     parser.add_argument("--blocks", action="store_true", help="only the GGUF-blocks table: blocks against fp32")
+    parser.add_argument("--tiles", action="store_true",
+                        help="only the AMX table: GGUF blocks through AVX against AMX tiles (a CPU with AMX-BF16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native_gemv.load_kernel()
     kernel = native_gemv._KERNEL
     print(f"# bench_gemv: {args.threads} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"load average {os.getloadavg()[0]:.2f}, native available: {native_gemv.AVAILABLE}")
+    if args.tiles:
+        if not native_tiles.available():
+            raise SystemExit("--tiles needs the native kernel and a CPU with AMX-BF16")
+        tiles_table([int(m) for m in (args.rows or "1,2,3,4,8,16,32,64").split(",")], args.reps)
+        return
     if args.blocks:
         if kernel is None:
             raise SystemExit("--blocks needs the native kernel")
@@ -142,6 +153,18 @@ def floor_table(kernel, row_counts: list[int], dram_gbps: float, calls: int = 30
         print(f"| {m} | {gbps:.1f} | {out * inn * m / 8 / seconds / 1e9:.2f} | {dram_gbps / gbps:.2f} |")
 
 
+def sweep_ms(weights: list[tuple[torch.Tensor, ...]], pick: int, xs: dict[int, torch.Tensor], reps: int) -> float:
+    """Best of `reps` sweeps, in ms: every weight's variant `pick` (0: the fp32 weight (out, in), then its other
+    forms) against the input rows of its width."""
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for weight in weights:
+            native_gemv.gemv(xs[weight[0].shape[1]], weight[pick])
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
     """Per row count M: ms for SmolLM2's 4 * `layers` projections and for its head, fp32 against GGUF blocks of
     the same values (Q4_1 projections, Q8_0 head), and whether every output is bit-identical."""
@@ -160,29 +183,61 @@ def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
           f"| head fp32 ms | as Q8_0 blocks, AVX2 ms | AVX-512 ms | speedup | bit-identical |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
-    def sweep(pairs: list[tuple[torch.Tensor, torch.Tensor]], pick: int, xs: dict[int, torch.Tensor]) -> float:
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            for pair in pairs:
-                native_gemv.gemv(xs[pair[0].shape[1]], pair[pick])
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
-
     for m in row_counts:
         xs = {inn: torch.randn(m, inn, generator=generator) for inn in {inn for _, inn in shapes}}
-        fp32, head_fp32 = sweep(projections, 0, xs), sweep([(head, head_blocks)], 0, xs)
+        fp32, head_fp32 = sweep_ms(projections, 0, xs, reps), sweep_ms([(head, head_blocks)], 0, xs, reps)
         blocks, head_q8, same = {}, {}, True
         for isa in isas:
             native_gemv.blocks_avx512(isa)
             same &= all(torch.equal(native_gemv.gemv(xs[w.shape[1]], w), native_gemv.gemv(xs[w.shape[1]], b))
                         for w, b in projections[:4] + [(head, head_blocks)])
-            blocks[isa], head_q8[isa] = sweep(projections, 1, xs), sweep([(head, head_blocks)], 1, xs)
+            blocks[isa], head_q8[isa] = sweep_ms(projections, 1, xs, reps), sweep_ms([(head, head_blocks)], 1, xs, reps)
         native_gemv.blocks_avx512(default)
         used = isas[-1]   # NOTE: the path engines take here (AVX-512 where present); speedups are its
         print(f"| {m} | {fp32:.1f} | {blocks[False]:.1f} | {_ms(blocks.get(True))} | {fp32 / blocks[used]:.2f}x "
               f"| {head_fp32:.1f} | {head_q8[False]:.1f} | {_ms(head_q8.get(True))} | {head_fp32 / head_q8[used]:.2f}x "
               f"| {same} |")
+
+
+def tiles_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
+    """Per row count M: ms for SmolLM2's 4 * `layers` projections (Q4_1) and its head (Q8_0) on the AVX blocks
+    against the same blocks in AMX tile order (lab/models/native_tiles.py), each also as one-row calls (what a
+    verify step of M tokens costs against a decode), and the tiles' largest error against the exact product,
+    relative to the sum of the terms' magnitudes (fp32 rounding is ~6e-8)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [shape for name, shape in SHAPES.items() if not name.startswith("lm_head")] * layers
+    projections = []
+    for out, inn in shapes:
+        weight = weight_blocks.round_to_q4_1(torch.randn(out, inn, generator=generator) * 0.05)
+        blocks = weight_blocks.find_blocks(weight, "q4_1")
+        projections.append((weight, blocks, native_tiles.pack(blocks)))
+    head = weight_blocks.round_to_q8_0(torch.randn(*SHAPES["lm_head 576->49152"], generator=generator) * 0.05)
+    head_blocks = weight_blocks.find_blocks(head, "q8_0")
+    heads = [(head, head_blocks, native_tiles.pack(head_blocks))]
+    print(f"\n| rows | {len(shapes)} projections, AVX blocks ms | AMX tiles ms | speedup "
+          f"| as one-row calls (AVX / AMX) "
+          f"| head, AVX blocks ms | AMX tiles ms | speedup | max error / sum of terms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def rows_of(m: int) -> dict[int, torch.Tensor]:
+        return {inn: torch.randn(m, inn, generator=generator) for inn in {inn for _, inn in shapes}}
+
+    ones = rows_of(1)
+    sweep_ms(projections, 1, ones, 1), sweep_ms(projections, 2, ones, 1)     # NOTE: warm-up, not timed
+    one_row = sweep_ms(projections, 1, ones, reps), sweep_ms(projections, 2, ones, reps)
+    for m in row_counts:
+        xs = rows_of(m)
+        avx, amx = sweep_ms(projections, 1, xs, reps), sweep_ms(projections, 2, xs, reps)
+        head_avx, head_amx = sweep_ms(heads, 1, xs, reps), sweep_ms(heads, 2, xs, reps)
+        error = 0.0
+        for weight, _, tiles in projections[:4] + heads:
+            x = xs[weight.shape[1]].double()
+            exact, scale = x @ weight.double().T, x.abs() @ weight.double().abs().T
+            error = max(error, float(((native_gemv.gemv(xs[weight.shape[1]], tiles).double() - exact).abs()
+                                      / scale).max()))
+        print(f"| {m} | {avx:.1f} | {amx:.1f} | {avx / amx:.2f}x | {avx / one_row[0]:.2f} / {amx / one_row[1]:.2f} "
+              f"| {head_avx:.2f} | {head_amx:.2f} "
+              f"| {head_avx / head_amx:.2f}x | {error:.1e} |")
 
 
 def _ms(value: float | None) -> str:

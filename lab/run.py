@@ -122,7 +122,8 @@ def build_runner(cfg: DictConfig) -> ModelRunner:
     source = instantiate(cfg.model.source)
     return ModelRunner(source, dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.model.max_model_len,
                        weight_blocks=cfg.model.get("weight_blocks", "auto"),
-                       block_rows=cfg.model.get("block_rows", "auto"))
+                       block_rows=cfg.model.get("block_rows", "auto"),
+                       block_kernel=cfg.model.get("block_kernel", "auto"))
 
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import lab.resolvers  # noqa: F401 - the configs' ${max:...}
+from lab.models import native_tiles
 from lab.models.sources import ModelSource, smollm2, tiny
 from lab.runner import ModelRunner
 
@@ -19,12 +20,15 @@ torch.set_num_threads(2)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs CUDA")
+    if any("amx" in item.keywords for item in items) and not native_tiles.available():
+        skips["amx"] = pytest.mark.skip(reason="needs a CPU with AMX-BF16 (and Linux's grant of its tile state)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

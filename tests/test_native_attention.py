@@ -61,11 +61,12 @@ def test_short_chunks_take_the_kernel_and_match_the_gather_reference() -> None:
     kernel one row per token; a longer chunk after them still goes to SDPA. Same result as `gather`."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 48
+    assert MAX_KERNEL_QUERY_TOKENS == 64
     seqs = [SeqSlice([3, 7, 1], 9, 3),                     # a verify step: 3 tokens after 9 of context
             SeqSlice([5], 0, 1),                           # a one-token prompt
             SeqSlice([8, 2], 4, 1),                        # a decode
-            SeqSlice([11, 12], 0, MAX_KERNEL_QUERY_TOKENS),  # a short fresh prompt
-            SeqSlice([20, 21, 22, 23, 24], 6, 12)]         # a longer chunk after context: SDPA
+            SeqSlice([11, 12], 0, 8),                      # a short fresh prompt
+            SeqSlice(list(range(20, 38)), 6, MAX_KERNEL_QUERY_TOKENS + 1)]   # a longer chunk after context: SDPA
     num_tokens = sum(s.num_query_tokens for s in seqs)
     q = torch.randn(1, num_tokens, heads, head_dim, generator=generator)
     k = torch.randn(1, num_tokens, kv_heads, head_dim, generator=generator)
@@ -78,7 +79,7 @@ def test_short_chunks_take_the_kernel_and_match_the_gather_reference() -> None:
         cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=stores))
         cache.begin_step(seqs)
         if backend == "native":
-            assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == num_tokens - 12
+            assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == num_tokens - 65
         outputs[backend] = cache.attend(0, q, k, v)
     torch.testing.assert_close(outputs["native"], outputs["gather"], atol=1e-5, rtol=1e-5)
 

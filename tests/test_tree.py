@@ -17,7 +17,7 @@ from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig, PagedKVCacheManager, SlotKVCacheConfig
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
 from lab.kv_cache.tree_mask import tree_layout
-from lab.kv_cache.native_attention import NativeMeta, load_kernel
+from lab.kv_cache.native_attention import MAX_KERNEL_QUERY_TOKENS, NativeMeta, load_kernel
 from lab.runner import ModelRunner
 from lab.sample.rejection import RejectionSampler
 from lab.sched import SchedulerConfig
@@ -212,10 +212,10 @@ def test_a_tree_step_attends_each_token_to_its_ancestors_only(backend: str) -> N
     context, its ancestors and itself."""
     tree = (0, 1, 0, 0, 0)
     seqs = [SeqSlice([8, 2], 5, 1), SeqSlice([3, 7, 1, 9], 9, 6, tree), SeqSlice([11, 12, 13], 6, 3),
-            SeqSlice([20, 21, 22, 23, 24], 6, 12), SeqSlice([30, 31], 2, 4, (0, 0, 1))]
+            SeqSlice([*range(14, 30), 32, 33], 6, MAX_KERNEL_QUERY_TOKENS + 1), SeqSlice([30, 31], 2, 4, (0, 0, 1))]
     cache, _ = _attend(backend, seqs)
     # NOTE: the trees' positions by depth
-    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8, *range(6, 18), 2, 3, 3, 4]
+    assert cache.index.positions.tolist() == [5, 9, 10, 11, 10, 10, 10, 6, 7, 8, *range(6, 71), 2, 3, 3, 4]
     if backend == "native":
         assert isinstance(cache._meta, NativeMeta) and cache._meta.num_rows == 10
         assert cache._meta.hidden.tolist()[1:7] == tree_layout(tree)[1] and len(cache._meta.chunks.chunks) == 2

@@ -12,7 +12,7 @@ from lab.engines.continuous import ContinuousBatchingEngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
-from lab.models import block_rows, native_gemv, weight_blocks
+from lab.models import block_rows, native_gemv, native_tiles, weight_blocks
 from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
@@ -104,14 +104,14 @@ def block_source():
 def block_runners() -> tuple[ModelRunner, ModelRunner]:
     """block_source streaming its blocks in forwards of up to BLOCK_MAX_ROWS rows, and not at all."""
     source = block_source()
-    return (ModelRunner(source, dtype="float32", device="cpu", block_rows=BLOCK_MAX_ROWS),
+    return (ModelRunner(source, dtype="float32", device="cpu", block_rows=BLOCK_MAX_ROWS, block_kernel="avx"),
             ModelRunner(source, dtype="float32", device="cpu", weight_blocks="off"))
 
 
 @pytest.fixture(scope="module")
 def wide_block_runner() -> ModelRunner:
     """block_source streaming its blocks in every forward the native GEMV serves (up to NATIVE_MAX_ROWS rows)."""
-    return ModelRunner(block_source(), dtype="float32", device="cpu", block_rows=NATIVE_MAX_ROWS)
+    return ModelRunner(block_source(), dtype="float32", device="cpu", block_rows=NATIVE_MAX_ROWS, block_kernel="avx")
 
 
 @needs_kernel
@@ -187,17 +187,17 @@ def test_block_rows_keeps_blocks_up_to_the_last_row_count_where_they_win(monkeyp
 
 @needs_kernel
 def test_block_rows_auto_measures_at_load() -> None:
-    runner = ModelRunner(block_source(), dtype="float32", device="cpu")
+    runner = ModelRunner(block_source(), dtype="float32", device="cpu", block_kernel="avx")
     assert runner.model.block_max_rows in (BLOCK_MAX_ROWS, *block_rows.CANDIDATE_ROWS)
     assert {m.block_max_rows for m in runner.model.modules() if isinstance(m, PackedLinear)} == {
         runner.model.block_max_rows}
 
 
-@pytest.mark.parametrize("value", [0, 13, "fast", 6.5, True])
+@pytest.mark.parametrize("value", [0, 65, "fast", 6.5, True])
 def test_block_rows_setting_is_checked(value: object) -> None:
     with pytest.raises(LabError, match="model.block_rows") as error:
         ModelRunner(block_source(), device="cpu", block_rows=value)
-    assert "auto" in error.value.fix and "1 to 12" in error.value.fix
+    assert "auto" in error.value.fix and "1 to 64" in error.value.fix
 
 
 @needs_kernel
@@ -224,6 +224,9 @@ def test_a_model_not_made_of_blocks_keeps_fp32(tiny_runner: ModelRunner) -> None
 def test_weight_blocks_setting_is_checked() -> None:
     with pytest.raises(LabError, match="model.weight_blocks='q4'"):
         ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), device="cpu", weight_blocks="q4")
+    with pytest.raises(LabError, match="model.block_kernel='sse'") as error:
+        ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), device="cpu", block_kernel="sse")
+    assert "block_kernel=auto" in error.value.fix
 
 
 def test_the_bundled_smollm2_is_streamed_as_its_gguf_blocks(smollm2_runner: ModelRunner) -> None:
@@ -232,6 +235,7 @@ def test_the_bundled_smollm2_is_streamed_as_its_gguf_blocks(smollm2_runner: Mode
     if not native_gemv.AVAILABLE:
         pytest.skip("the native GEMV cannot be built here")
     assert smollm2_runner.block_linears == 30 * 4 + 1
+    assert smollm2_runner.block_kernel == ("amx" if native_tiles.available() else "avx")
     assert smollm2_runner.streamed_weight_bytes < smollm2_runner.weight_bytes / 4.5
 
 

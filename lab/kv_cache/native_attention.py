@@ -34,11 +34,14 @@ def load_kernel() -> Any | None:
     return native_gemv.load_kernel()
 
 
-# NOTE: a request feeding at most this many tokens (a decode: 1; a verify step: k + 1) has each token
-# attend as its own kernel row over its context and the step's earlier tokens, so a verify reads K/V
-# exactly as k + 1 decodes would (same kernel, same sums: its logits equal a decode's). Longer chunks
-# (prefill) go to SplitAttention's causal SDPA, which reads the context once for all their tokens.
-MAX_KERNEL_QUERY_TOKENS = 8
+# NOTE: a request feeding at most this many tokens (a decode: 1; a verify step: k + 1, or a tree of up to 63
+# drafts) has each token attend as its own kernel row over its context and the step's earlier tokens, so a
+# verify reads K/V exactly as k + 1 decodes would (same kernel, same sums: its logits equal a decode's), and the
+# model can run the whole step in one native call (paged_step_layers). Longer chunks (prefill) go to
+# SplitAttention's causal SDPA, which reads the context once for all their tokens. 64: the kernel's hidden-key
+# bits (a tree row hides at most 63 of the step's keys); was 8 until AMX tiles made 16-64-row verify steps cheap
+# (lab/models/native_tiles.py, docs/speculative.md, session 38).
+MAX_KERNEL_QUERY_TOKENS = 64
 
 
 @dataclass(slots=True)

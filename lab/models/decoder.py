@@ -19,7 +19,7 @@ from lab.kv_cache.block_kv import BlockKVCache
 from lab.kv_cache.contiguous import ContiguousKVCache
 from lab.models import native_gemv
 from lab.models.config import DecoderConfig
-from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear, use_block_weights
+from lab.models.packed_linear import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear, use_block_weights
 from lab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -119,6 +119,7 @@ class DecoderModel(nn.Module):
         # NOTE: False for a tensor-parallel shard: the one-call native paths have no all-reduce between the layers
         self.allow_fused_layers = True
         self.block_max_rows = BLOCK_MAX_ROWS   # steps of up to this many tokens stream GGUF blocks (use_block_weights)
+        self.block_tiles = False               # whether they stream them as AMX tiles (use_block_weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
@@ -130,7 +131,7 @@ class DecoderModel(nn.Module):
         """x (B, T, H) through every layer -> (the residual stream after the last, {i: the stream after layer i}
         for i in feature_layers).
         NOTE: a batch-1 decode on the contiguous cache, and a step of a few tokens per request on the paged
-        cache (decodes, verify steps: up to NATIVE_MAX_ROWS tokens in all), run all layers in one native call:
+        cache (decodes, verify steps: up to fused_max_rows tokens in all), run all layers in one native call:
         the same kernels in the same order as the loop below (bit-identical), without the Python between them
         (~20 % of a batch-1 step on the contiguous cache, docs/benchmarks.md; ~19 % on the paged one,
         docs/speculative.md, session 19)."""
@@ -144,7 +145,7 @@ class DecoderModel(nn.Module):
                                               c.num_kv_heads, self.norm.eps, c.head_dim ** -0.5)
                 return x, {}
         if (layers is not None and isinstance(cache, BlockKVCache) and x.shape[0] == 1
-                and x.shape[1] <= NATIVE_MAX_ROWS):
+                and x.shape[1] <= self.fused_max_rows):
             step = cache.native_step()
             if step is not None:
                 capture = sorted(set(feature_layers))
@@ -157,6 +158,12 @@ class DecoderModel(nn.Module):
             if i in feature_layers:
                 captured[i] = x
         return x, captured
+
+    @property
+    def fused_max_rows(self) -> int:
+        """The most tokens a paged step may have to run in one native call: NATIVE_MAX_ROWS, or up to GEMV_MAX_ROWS
+        where the projections stream AMX tiles there (a 64-row step costs ~7 one-row steps on tiles, ~19 on fp32)."""
+        return max(NATIVE_MAX_ROWS, self.block_max_rows) if self.block_tiles else NATIVE_MAX_ROWS
 
     def _native_decode_layers(self, rows: int = 1) -> list[list[torch.Tensor]] | None:
         """Per layer the 7 tensors native_gemv.decode_layers reads for a step of `rows` tokens, or None where the
@@ -221,19 +228,22 @@ class DecoderModel(nn.Module):
                 module.weight.data = module.weight.data.t().contiguous().t()  # (out, in), strides (1, out)
         self._fused_layers = None
 
-    def use_block_weights(self) -> tuple[int, int]:
+    def use_block_weights(self, tiles: bool = False) -> tuple[int, int]:
         """Stream every projection whose fp32 weights are exactly GGUF block values as those blocks (few-row
-        calls, the native kernel): bit-identical, a fifth of the bytes (lab/models/weight_blocks.py). Call after
-        pack_linear_weights. Returns (linears streaming blocks, linears)."""
-        counts = use_block_weights(self)
+        calls, the native kernel): bit-identical, a fifth of the bytes (lab/models/weight_blocks.py); with `tiles`
+        in AMX tile order (lab/models/native_tiles.py), within fp32 rounding. Call after pack_linear_weights.
+        Returns (linears streaming blocks, linears)."""
+        self.block_tiles = tiles
+        counts = use_block_weights(self, tiles)
         self.set_block_max_rows(self.block_max_rows)
         self._fused_layers = None
         return counts
 
     def set_block_max_rows(self, rows: int) -> None:
-        """Calls and steps of up to `rows` rows stream GGUF blocks (bit-identical either way: a speed choice)."""
-        if not 1 <= rows <= NATIVE_MAX_ROWS:
-            raise ValueError(f"GGUF blocks serve 1 to {NATIVE_MAX_ROWS} rows (the native GEMV's), not {rows}")
+        """Calls and steps of up to `rows` rows stream GGUF blocks (bit-identical either way on the AVX blocks: a
+        speed choice)."""
+        if not 1 <= rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"GGUF blocks serve 1 to {GEMV_MAX_ROWS} rows (the native GEMV's), not {rows}")
         self.block_max_rows = rows
         for module in self.modules():
             if isinstance(module, PackedLinear):

@@ -31,12 +31,14 @@ class EarlyExitModel(nn.Module):
         self._fused_block_layers: list[list[torch.Tensor]] | None = None
         self.allow_fused_layers = model.allow_fused_layers
         self.block_max_rows = model.block_max_rows
+        self.block_tiles = model.block_tiles
 
     # NOTE: the target's forward over fewer layers, its one-call native paths included
     forward = DecoderModel.forward
     _run_layers = DecoderModel._run_layers
     _native_decode_layers = DecoderModel._native_decode_layers
     _with_blocks = DecoderModel._with_blocks
+    fused_max_rows = DecoderModel.fused_max_rows
     compute_logits = DecoderModel.compute_logits
 
 

@@ -390,9 +390,13 @@ static void gemv_block_rows(const uint8_t* __restrict w, int64_t ld, const float
       for (int64_t r = r0; r < r1; ++r) y[m * out + r] += bias[r];
 }
 
+%(TILES_SOURCE)s
+
 // x (..., in) with M rows (M <= 64); w (out, in / 32 * bytes per block): uint8 = Q4_1 blocks, int8 = Q8_0; bias
-// (out,) fp32 or None -> (..., out), bit-identical to gemv over the weights the blocks expand to.
+// (out,) fp32 or None -> (..., out), bit-identical to gemv over the weights the blocks expand to. A 3-D w holds
+// the blocks in AMX tile order (lab/models/native_tiles.py): within fp32 rounding, not bit-identical.
 at::Tensor gemv_blocks(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  if (w.dim() == 3) return gemv_tiles(x, w, bias, max_threads);
   const bool q4 = w.scalar_type() == at::kByte;
   TORCH_CHECK(q4 || w.scalar_type() == at::kChar, "gemv_blocks: W must be uint8 (Q4_1) or int8 (Q8_0) blocks");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gemv_blocks: x must be fp32");
@@ -967,6 +971,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("gemv", &gemv, release());
   m.def("blocks_avx512", &blocks_avx512, release());
+  m.def("tiles_permitted", &tiles_permitted, release());
   m.def("gemv_f16", &gemv_f16, release());
   m.def("rms_norm", &rms_norm, release());
   m.def("add_rms_norm", &add_rms_norm, release());
@@ -1017,10 +1022,12 @@ def load_kernel() -> Any | None:
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                from lab.models.native_gemm import GEMM_SOURCE  # NOTE: here, not at the top: it imports us
+                from lab.models.native_gemm import GEMM_SOURCE  # NOTE: here, not at the top: they import us
+                from lab.models.native_tiles import TILES_SOURCE
 
+                source = KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE).replace("%(TILES_SOURCE)s", TILES_SOURCE)
                 _KERNEL = _BUILT = load_inline(
-                    "lab_native_gemv", cpp_sources=KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE),
+                    "lab_native_gemv", cpp_sources=source,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler, no headers: fall back, say why once
                 _KERNEL_ERROR = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -1062,7 +1069,8 @@ def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) holding 1-64 rows, weight (out, in) with unit stride along `in` -> (..., out); each row's
     result is bit-identical whatever the other rows. `weight` may instead be GGUF blocks (uint8 Q4_1, int8 Q8_0:
-    lab/models/weight_blocks.py), read as the fp32 values they expand to, bit for bit. Needs the kernel."""
+    lab/models/weight_blocks.py), read as the fp32 values they expand to, bit for bit, or those blocks in AMX tile
+    order (3-D: lab/models/native_tiles.py), within fp32 rounding of them. Needs the kernel."""
     return _KERNEL.gemv(x, weight, bias, THREADS)
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lab.models import native_gemm, native_gemv, weight_blocks
+from lab.models import native_gemm, native_gemv, native_tiles, weight_blocks
 
 GemmBackend = Literal["native", "onednn"]
 GEMM_BACKENDS: tuple[GemmBackend, ...] = ("native", "onednn")
@@ -44,6 +44,9 @@ NATIVE_MAX_ROWS = 12
 # thread: SmolLM2's projections 1.5-2.3x faster on blocks at 1-5 rows on every machine so far; 0.9-1.35x at 6-12,
 # by machine). ModelRunner measures how far past it blocks still pay here (lab/models/block_rows.py).
 BLOCK_MAX_ROWS = 5
+# NOTE: the native GEMV's row limit, and where AMX tiles serve (lab/models/native_tiles.py): 64 rows cost ~7x one
+# there, against ~17x on the AVX blocks and ~19x on fp32 (experiments/bench_gemv.py --blocks --tiles).
+GEMV_MAX_ROWS = 64
 
 
 def default_backend() -> GemmBackend:
@@ -166,11 +169,13 @@ def use_half_weights(model: nn.Module) -> int:
     return count
 
 
-def use_block_weights(model: nn.Module) -> tuple[int, int]:
+def use_block_weights(model: nn.Module, tiles: bool = False) -> tuple[int, int]:
     """Give every PackedLinear of `model` whose fp32 weight is exactly GGUF block values (Q4_1, else Q8_0:
     lab/models/weight_blocks.py) those blocks, which its few-row calls then stream where the native kernel runs:
     the same values in 0.75 / 1.125 bytes a weight instead of 4, and bit-identical outputs. Lossless, so for any
-    model; a weight that is not made of blocks keeps its fp32 GEMV. Returns (linears given blocks, linears)."""
+    model; a weight that is not made of blocks keeps its fp32 GEMV. With `tiles` (a CPU with AMX:
+    native_tiles.available) the blocks go in AMX tile order where the output rows are a multiple of 16: the
+    same bytes, within fp32 rounding rather than bit-identical. Returns (linears given blocks, linears)."""
     given = total = 0
     with torch.no_grad():
         for module in model.modules():
@@ -181,6 +186,9 @@ def use_block_weights(model: nn.Module) -> tuple[int, int]:
                 continue
             for fmt in weight_blocks.FORMATS:
                 blocks = weight_blocks.find_blocks(module.weight, fmt)
+                if blocks is not None and tiles:
+                    packed = native_tiles.pack(blocks)
+                    blocks = packed if packed is not None else blocks
                 if blocks is not None:
                     module.blocks, module._blocks_key = blocks, module._weight_key()
                     given += 1

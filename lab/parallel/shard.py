@@ -96,7 +96,7 @@ def shard_runner(runner: ModelRunner, group: dist.ProcessGroup | None = None) ->
     if can_pack(runner.device, runner.dtype):
         pack_linear_weights(runner.model)  # NOTE: the new column-parallel linears get the runner's fast path too
     if runner.block_linears:               # NOTE: and the blocks of their rows (lab/models/weight_blocks.py)
-        runner.block_linears = runner.model.use_block_weights()[0]
+        runner.block_linears = runner.model.use_block_weights(tiles=runner.model.block_tiles)[0]
     c = runner.config
     runner.config = dataclasses.replace(c, num_heads=c.num_heads // world_size,
                                         num_kv_heads=c.num_kv_heads // world_size)

@@ -12,11 +12,11 @@ import torch
 
 from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
-from lab.models import native_gemv
+from lab.models import native_gemv, native_tiles
 from lab.models.block_rows import measure_block_rows
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
-from lab.models.packed_linear import BLOCK_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
+from lab.models.packed_linear import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import ModelSource
 from lab.runner.device import avoid_per_shape_attention_plans, resolve_device, resolve_dtype
 
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 WeightBlocks = Literal["auto", "off"]
 WEIGHT_BLOCKS: tuple[WeightBlocks, ...] = ("auto", "off")
+BlockKernel = Literal["auto", "amx", "avx"]
+BLOCK_KERNELS: tuple[BlockKernel, ...] = ("auto", "amx", "avx")
 
 
 def _as_id_set(value: Any) -> set[int]:
@@ -36,20 +38,26 @@ def _as_id_set(value: Any) -> set[int]:
 class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto",
-                 block_rows: int | str = "auto") -> None:
+                 block_rows: int | str = "auto", block_kernel: BlockKernel = "auto") -> None:
         """`weight_blocks`: "auto" streams every projection whose fp32 weights are exactly GGUF block values (the
         bundled SmolLM2's are: it is a Q4_1 GGUF) as those blocks in few-row forwards, bit-identically
-        (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs). `block_rows`: the most rows such a
-        forward may have, "auto" = measured here at load (lab/models/block_rows.py), or an integer from 1 to 12."""
+        (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs). `block_kernel`: "amx" streams them
+        through AMX tiles (lab/models/native_tiles.py: up to 16 rows for little more than one, within fp32
+        rounding), "avx" through the AVX kernel (bit-identical to the fp32 weights), "auto" = amx where the CPU has
+        AMX-BF16, else avx. `block_rows`: the most rows such a forward may have, "auto" = 64 on tiles, else
+        measured here at load (lab/models/block_rows.py), or an integer from 1 to 64."""
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
                            "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
+        if block_kernel not in BLOCK_KERNELS:
+            raise LabError(f"model.block_kernel={block_kernel!r} is not one of {', '.join(BLOCK_KERNELS)}",
+                           "use model.block_kernel=auto (AMX tiles where the CPU has them), amx or avx")
         if block_rows != "auto" and (isinstance(block_rows, bool) or not isinstance(block_rows, int)
-                                     or not 1 <= block_rows <= NATIVE_MAX_ROWS):
+                                     or not 1 <= block_rows <= GEMV_MAX_ROWS):
             raise LabError(f"model.block_rows={block_rows!r} is neither auto nor an integer from 1 to "
-                           f"{NATIVE_MAX_ROWS} (the rows the native GEMV, which GGUF blocks feed, serves)",
+                           f"{GEMV_MAX_ROWS} (the rows the native GEMV, which GGUF blocks feed, serves)",
                            f"use model.block_rows=auto (measured here at load) or an integer from 1 to "
-                           f"{NATIVE_MAX_ROWS}")
+                           f"{GEMV_MAX_ROWS}")
         self.source = source
         self.model_id = source.model_id
         self.device = resolve_device(device)
@@ -69,12 +77,16 @@ class ModelRunner:
             # NOTE: batched forwards (2+ rows) run oneDNN on a prepacked copy, ~1.3x MKL's sgemm at 32-64 rows.
             pack_linear_weights(self.model)
         self.block_linears = 0          # how many projections stream GGUF blocks (weight_blocks="auto")
+        self.block_kernel: BlockKernel = "avx"   # the kernel they stream through (block_kernel)
         if weight_blocks == "auto" and can_pack(self.device, self.dtype) and native_gemv.AVAILABLE:
-            self.block_linears, linears = self.model.use_block_weights()
+            self.block_kernel = self._resolve_block_kernel(block_kernel)
+            tiles = self.block_kernel == "amx"
+            self.block_linears, linears = self.model.use_block_weights(tiles=tiles)
             if self.block_linears:
-                self.model.set_block_max_rows(self._block_rows(block_rows))
-                log.info("streaming %d of %d linears as their exact GGUF blocks (%.0f MB a decode step instead of "
-                         "%.0f) in forwards of up to %d rows", self.block_linears, linears,
+                self.model.set_block_max_rows(GEMV_MAX_ROWS if tiles and block_rows == "auto"
+                                              else self._block_rows(block_rows))
+                log.info("streaming %d of %d linears as their exact GGUF blocks (%s, %.0f MB a decode step instead "
+                         "of %.0f) in forwards of up to %d rows", self.block_linears, linears, self.block_kernel,
                          self.streamed_weight_bytes / 2**20, self.weight_bytes / 2**20, self.model.block_max_rows)
         self.tokenizer = source.tokenizer
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
@@ -83,6 +95,18 @@ class ModelRunner:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(self.tokenizer.eos_token_id))
         self._hf_model: torch.nn.Module | None = None
+
+    @staticmethod
+    def _resolve_block_kernel(block_kernel: BlockKernel) -> BlockKernel:
+        if block_kernel == "avx":
+            return "avx"
+        if native_tiles.available():
+            return "amx"
+        if block_kernel == "amx":
+            raise LabError("model.block_kernel=amx, but this machine cannot run AMX tiles (the CPU lacks "
+                           f"{'/'.join(native_tiles.CPU_FLAGS)}, or Linux refused the tile state)",
+                           "use model.block_kernel=auto (AMX where available, else AVX) or avx")
+        return "avx"
 
     def _block_rows(self, block_rows: int | str) -> int:
         if block_rows != "auto":
