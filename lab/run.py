@@ -266,6 +266,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,
             "weight_blocks_max_rows": runner.model.block_max_rows if runner.block_linears else 0,
+            "weight_blocks_kernel": runner.block_kernel if runner.block_linears else "none",
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)

@@ -37,6 +37,7 @@ def test_run_writes_results_and_requests(cfg: DictConfig, tmp_path: Path) -> Non
     assert on_disk["config"]["engine"]["name"] == "ar"
     # NOTE: the tiny random-init model is not made of GGUF blocks: it streams its fp32 weights
     assert on_disk["weight_blocks_linears"] == 0 and on_disk["streamed_weight_bytes"] == on_disk["weight_bytes"]
+    assert on_disk["weight_blocks_kernel"] == "none"
     lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert len(lines) == 3
     for record in lines:
