@@ -77,14 +77,14 @@ def test_a_model_on_tiles_streams_them_in_every_few_row_forward(tile_runner: Mod
     assert tile_runner.model.block_max_rows == GEMV_MAX_ROWS
     linears = [m for m in tile_runner.model.modules() if isinstance(m, PackedLinear) and m.blocks is not None]
     assert linears and all(native_tiles.is_tiles(m.blocks) for m in linears)
-    assert all(native_tiles.is_tiles(layer[i]) for layer in tile_tile_layers(tile_runner) for i in (1, 3, 5, 6))
+    assert all(native_tiles.is_tiles(layer[i]) for layer in fused_tile_layers(tile_runner) for i in (1, 3, 5, 6))
     avx = ModelRunner(block_source(), dtype="float32", device="cpu", block_kernel="avx")
     assert avx.block_kernel == "avx" and not any(native_tiles.is_tiles(m.blocks) for m in avx.model.modules()
                                                  if isinstance(m, PackedLinear) and m.blocks is not None)
     assert tile_runner.streamed_weight_bytes < avx.streamed_weight_bytes
 
 
-def tile_tile_layers(runner: ModelRunner) -> list[list[torch.Tensor]]:
+def fused_tile_layers(runner: ModelRunner) -> list[list[torch.Tensor]]:
     layers = runner.model._native_decode_layers(GEMV_MAX_ROWS)
     assert layers is not None
     return layers
@@ -95,12 +95,20 @@ def test_engines_on_tiles_equal_hf_greedy_and_speculation_stays_lossless(tile_ru
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (6, 19, 33)]
     references = [hf_greedy(tile_runner, p, 24) for p in prompts]
+    assert tile_runner.model.fused_max_rows == GEMV_MAX_ROWS      # NOTE: steps of 13-64 tokens: one native call
     engines = (AREngine(tile_runner),
                SpeculativeEngine(tile_runner, NgramProposerConfig(), num_spec_tokens=5,      # NOTE: 6-row verifies
-                                 scheduler=SchedulerConfig(max_num_seqs=3), kv_cache=KV))
-    for engine in engines:
-        result = engine.run(make_requests(prompts, 24, ignore_eos=True))
-        assert [r.output_token_ids for r in result.requests] == references, type(engine).__name__
+                                 scheduler=SchedulerConfig(max_num_seqs=3), kv_cache=KV),
+               SpeculativeEngine(tile_runner, NgramProposerConfig(), num_spec_tokens=20,     # NOTE: up to 21 rows
+                                 scheduler=SchedulerConfig(max_num_seqs=1), kv_cache=KV))
+    steps: list[int] = []
+    real = native_gemv.paged_step_layers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_gemv, "paged_step_layers", lambda x, *rest: steps.append(x.shape[1]) or real(x, *rest))
+        for engine in engines:
+            result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+            assert [r.output_token_ids for r in result.requests] == references, type(engine).__name__
+    assert max(steps) > 12, "a verify step past the AVX path's 12 rows ran as one native call"
 
 
 def test_block_kernel_amx_without_amx_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
