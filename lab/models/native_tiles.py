@@ -46,6 +46,8 @@ TILES_SOURCE = r"""
 // ---- GGUF blocks in AMX tile order (lab/models/native_tiles.py) ----
 #include <sys/syscall.h>
 #include <unistd.h>
+// NOTE: AMX intrinsics need GCC 11+ or clang; an older compiler still builds the rest of the kernels (tiles off).
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11)
 #define LAB_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
 struct TileConfig { uint8_t palette, start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
@@ -217,6 +219,13 @@ at::Tensor gemv_tiles(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
   }
   return y;
 }
+#else
+bool tiles_permitted() { return false; }
+at::Tensor gemv_tiles(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, int64_t max_threads) {
+  TORCH_CHECK(false, "gemv_tiles: this build's compiler has no AMX intrinsics (GCC 11+ or clang)");
+  return x;
+}
+#endif
 """
 
 
