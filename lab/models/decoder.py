@@ -162,7 +162,8 @@ class DecoderModel(nn.Module):
     @property
     def fused_max_rows(self) -> int:
         """The most tokens a paged step may have to run in one native call: NATIVE_MAX_ROWS, or up to GEMV_MAX_ROWS
-        where the projections stream AMX tiles there (a 64-row step costs ~7 one-row steps on tiles, ~19 on fp32)."""
+        where the projections stream AMX tiles there (64 rows of projections cost ~6 one-row calls on tiles, ~15 on
+        the AVX blocks: docs/benchmarks.md, "AMX tiles")."""
         return max(NATIVE_MAX_ROWS, self.block_max_rows) if self.block_tiles else NATIVE_MAX_ROWS
 
     def _native_decode_layers(self, rows: int = 1) -> list[list[torch.Tensor]] | None:

@@ -44,8 +44,8 @@ NATIVE_MAX_ROWS = 12
 # thread: SmolLM2's projections 1.5-2.3x faster on blocks at 1-5 rows on every machine so far; 0.9-1.35x at 6-12,
 # by machine). ModelRunner measures how far past it blocks still pay here (lab/models/block_rows.py).
 BLOCK_MAX_ROWS = 5
-# NOTE: the native GEMV's row limit, and where AMX tiles serve (lab/models/native_tiles.py): 64 rows cost ~7x one
-# there, against ~17x on the AVX blocks and ~19x on fp32 (experiments/bench_gemv.py --blocks --tiles).
+# NOTE: the native GEMV's row limit, and where AMX tiles serve (lab/models/native_tiles.py): 64 rows cost ~6 one-row
+# calls there, against ~15 on the AVX blocks (experiments/bench_gemv.py --tiles, docs/benchmarks.md).
 GEMV_MAX_ROWS = 64
 
 
