@@ -165,17 +165,27 @@ def sweep_ms(weights: list[tuple[torch.Tensor, ...]], pick: int, xs: dict[int, t
     return best * 1e3
 
 
-def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
-    """Per row count M: ms for SmolLM2's 4 * `layers` projections and for its head, fp32 against GGUF blocks of
-    the same values (Q4_1 projections, Q8_0 head), and whether every output is bit-identical."""
-    generator = torch.Generator().manual_seed(0)
+BlockPair = tuple[torch.Tensor, torch.Tensor]     # (fp32 weight, its GGUF blocks)
+
+
+def block_weights(layers: int, generator: torch.Generator
+                  ) -> tuple[list[tuple[int, int]], list[BlockPair], BlockPair]:
+    """SmolLM2's 4 * `layers` projection shapes, (fp32 weight, its Q4_1 blocks) for each (random values rounded to
+    Q4_1, one copy each, as a decode step streams them), and (head, its Q8_0 blocks)."""
     shapes = [shape for name, shape in SHAPES.items() if not name.startswith("lm_head")] * layers
     projections = []
     for out, inn in shapes:
         weight = weight_blocks.round_to_q4_1(torch.randn(out, inn, generator=generator) * 0.05)
         projections.append((weight, weight_blocks.find_blocks(weight, "q4_1")))
     head = weight_blocks.round_to_q8_0(torch.randn(*SHAPES["lm_head 576->49152"], generator=generator) * 0.05)
-    head_blocks = weight_blocks.find_blocks(head, "q8_0")
+    return shapes, projections, (head, weight_blocks.find_blocks(head, "q8_0"))
+
+
+def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
+    """Per row count M: ms for SmolLM2's 4 * `layers` projections and for its head, fp32 against GGUF blocks of
+    the same values (Q4_1 projections, Q8_0 head), and whether every output is bit-identical."""
+    generator = torch.Generator().manual_seed(0)
+    shapes, projections, (head, head_blocks) = block_weights(layers, generator)
     default = native_gemv.blocks_avx512()
     isas = [False] + ([True] if native_gemv.blocks_avx512(True) else [])   # NOTE: AVX2, and AVX-512 where present
     native_gemv.blocks_avx512(default)
@@ -205,15 +215,9 @@ def tiles_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
     verify step of M tokens costs against a decode), and the tiles' largest error against the exact product,
     relative to the sum of the terms' magnitudes (fp32 rounding is ~6e-8)."""
     generator = torch.Generator().manual_seed(0)
-    shapes = [shape for name, shape in SHAPES.items() if not name.startswith("lm_head")] * layers
-    projections = []
-    for out, inn in shapes:
-        weight = weight_blocks.round_to_q4_1(torch.randn(out, inn, generator=generator) * 0.05)
-        blocks = weight_blocks.find_blocks(weight, "q4_1")
-        projections.append((weight, blocks, native_tiles.pack(blocks)))
-    head = weight_blocks.round_to_q8_0(torch.randn(*SHAPES["lm_head 576->49152"], generator=generator) * 0.05)
-    head_blocks = weight_blocks.find_blocks(head, "q8_0")
-    heads = [(head, head_blocks, native_tiles.pack(head_blocks))]
+    shapes, pairs, head = block_weights(layers, generator)
+    projections = [(weight, blocks, native_tiles.pack(blocks)) for weight, blocks in pairs]
+    heads = [(*head, native_tiles.pack(head[1]))]
     print(f"\n| rows | {len(shapes)} projections, AVX blocks ms | AMX tiles ms | speedup "
           f"| as one-row calls (AVX / AMX) "
           f"| head, AVX blocks ms | AMX tiles ms | speedup | max error / sum of terms |")

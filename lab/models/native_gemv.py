@@ -998,13 +998,14 @@ _BUILT: Any = None                 # the extension once built (kept while disabl
 _KERNEL_ERROR: str | None = None
 
 
-def _cpu_has_avx2_fma_f16c() -> bool:
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of `flags` (False where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            listed = set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
         return False
-    return "avx2" in flags and "fma" in flags and "f16c" in flags
+    return listed.issuperset(flags)
 
 
 def load_kernel() -> Any | None:
@@ -1014,7 +1015,7 @@ def load_kernel() -> Any | None:
     if _KERNEL is None and _KERNEL_ERROR is None:
         if os.environ.get("LAB_NATIVE_GEMV", "1") == "0":
             _KERNEL_ERROR = "turned off by LAB_NATIVE_GEMV=0"
-        elif not _cpu_has_avx2_fma_f16c():
+        elif not cpu_has("avx2", "fma", "f16c"):
             _KERNEL_ERROR = "this CPU lacks AVX2/FMA/F16C"
         elif _BUILT is not None:
             _KERNEL = _BUILT

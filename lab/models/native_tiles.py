@@ -118,7 +118,7 @@ struct Q8_0Tiles {
 // 16), two at a time. Tiles 0-2: x's three pieces for one block and up to 16 rows; 3-4: the two output tiles'
 // weights for that block; 5-6: their products, summed over the pieces by the tile unit. NOTE: measured on SmolLM2's
 // shapes, this beat the pieces stacked as the rows of one tile (5 rows x 3 pieces, summed with AVX: one product
-// per block instead of three) at every row count past 1 (at 8 rows 10.3 against 12.5 ms, docs/speculative.md).
+// per block instead of three) at every row count past 1 (at 8 rows 10.3 against 12.5 ms, docs/benchmarks.md).
 static constexpr int kPair = 2;
 template <class T>
 LAB_AMX static void tile_rows(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums, int64_t M,
@@ -229,20 +229,10 @@ at::Tensor gemv_tiles(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias
 """
 
 
-def cpu_has_amx() -> bool:
-    """Whether /proc/cpuinfo lists AMX-BF16 and the AVX-512 parts the kernel uses."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return all(flag in flags for flag in CPU_FLAGS)
-
-
 def available() -> bool:
     """Whether `gemv` can take tiles here: the native kernel built, a CPU with AMX-BF16, and Linux's grant of the
     tile state to this process."""
-    if not cpu_has_amx():
+    if not native_gemv.cpu_has(*CPU_FLAGS):   # NOTE: AMX-BF16 and the AVX-512 parts the kernel uses
         return False
     kernel = native_gemv.load_kernel()
     return kernel is not None and bool(kernel.tiles_permitted())
