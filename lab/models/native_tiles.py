@@ -24,7 +24,11 @@ and the arithmetic of up to 16 rows is three tile products per block (one per pi
 Measured on SmolLM2's 120 projections (experiments/bench_gemv.py --tiles, 1 thread, docs/benchmarks.md): 1-4 rows
 cost ~1 one-row call, 8 rows 1.4, 16 rows 2.0, 64 rows 6.4, against 1.3-1.6, 2.8, 4.4 and 14.8 on the AVX blocks;
 one row 6.2 ms against 8.6. The Q8_0 head's one row is slower (2.0 against 1.5 ms: 8-bit q widen in 5 ops, 4-bit
-ones in 2). What is left at 16 rows is each block's tile store and per-row scaling, not the tile unit.
+ones in 2). Up to 16 rows the sums stay in registers (session 39: projections 4-18 % and the head 23-39 % faster
+than a read-modify-write of memory per row and block, the same bits). Where the rest goes (session 39's
+attribution, docs/benchmarks.md): no one part dominates; widening, the tile products, the store and the scaling each
+take 15-30 % at 16 rows, and the tile unit runs one instruction at a time (~6.5 cycles a product up to 8 rows, 11 at
+16; a store ~11 at any rows): more tiles in flight do not overlap, and widening a few blocks ahead did not help.
 
 Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); `available` asks once.
 
@@ -114,24 +118,101 @@ struct Q8_0Tiles {
   }
 };
 
-// Output tiles [t0, t1) of y = x W^T for M rows (xs, sums from split_bf16; Mp = M, or M rounded up to 16 past
-// 16), two at a time. Tiles 0-2: x's three pieces for one block and up to 16 rows; 3-4: the two output tiles'
-// weights for that block; 5-6: their products, summed over the pieces by the tile unit. NOTE: measured on SmolLM2's
-// shapes, this beat the pieces stacked as the rows of one tile (5 rows x 3 pieces, summed with AVX: one product
-// per block instead of three) at every row count past 1 (at 8 rows 10.3 against 12.5 ms, docs/benchmarks.md).
+// Output tiles [t0, t1) of y = x W^T for M rows (xs, sums from split_bf16), two at a time (kPair). Tiles 0-2: x's
+// three pieces for one block and up to 16 rows; 3-4: the two output tiles' weights for that block; 5-6: their
+// products, summed over the pieces by the tile unit, then stored and scaled by the block's d (and m) in AVX.
+// NOTE: measured on SmolLM2's shapes, this beat the pieces stacked as the rows of one tile (5 rows x 3 pieces, summed
+// with AVX: one product per block instead of three) at every row count past 1 (at 8 rows 10.3 against 12.5 ms,
+// docs/benchmarks.md).
 static constexpr int kPair = 2;
-template <class T>
-LAB_AMX static void tile_rows(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums, int64_t M,
-                              int64_t Mp, float* y, int64_t out, int64_t t0, int64_t t1) {
+
+LAB_AMX static void configure_tiles(int64_t rows) {
   alignas(64) TileConfig config;
   std::memset(&config, 0, sizeof config);
   config.palette = 1;
-  const uint8_t rows = uint8_t(std::min<int64_t>(Mp, 16));
   for (int t = 0; t < 7; ++t) {
-    config.rows[t] = (t == 3 || t == 4) ? 16 : rows;
+    config.rows[t] = (t == 3 || t == 4) ? 16 : uint8_t(rows);
     config.colsb[t] = 64;
   }
+  // NOTE: GCC does not see ldtilecfg read `config` and drops the stores above when this is a function of its own
+  // (the tiles are then unconfigured: SIGILL); the empty asm makes them happen.
+  asm volatile("" : : "m"(config) : "memory");
   _tile_loadconfig(&config);
+}
+
+// One block of `pair` output tiles (blocks[h]): their q widened into B tiles 3-4.
+template <class T>
+LAB_AMX static inline void load_weights(const uint8_t* const* blocks, int pair, uint16_t (*wide)[16 * 32]) {
+  for (int h = 0; h < pair; ++h) T::widen(blocks[h] + T::kQuants, wide[h]);
+  _tile_loadd(3, wide[0], 64);
+  if (pair == 2) _tile_loadd(4, wide[1], 64);
+}
+
+// x's three pieces (xa, one piece every `piece` values) times tiles 3-4 -> products[h] (rows x 16, fp32).
+LAB_AMX static inline void multiply_pieces(const uint16_t* xa, int64_t piece, int pair, float (*products)[16 * 16]) {
+  _tile_loadd(0, xa, 64);
+  _tile_loadd(1, xa + piece, 64);
+  _tile_loadd(2, xa + 2 * piece, 64);
+  _tile_zero(5);
+  _tile_dpbf16ps(5, 0, 3);
+  _tile_dpbf16ps(5, 1, 3);
+  _tile_dpbf16ps(5, 2, 3);
+  _tile_stored(5, products[0], 64);
+  if (pair == 2) {
+    _tile_zero(6);
+    _tile_dpbf16ps(6, 0, 4);
+    _tile_dpbf16ps(6, 1, 4);
+    _tile_dpbf16ps(6, 2, 4);
+    _tile_stored(6, products[1], 64);
+  }
+}
+
+// A block's d (and m) for its 16 output rows, fp16 -> fp32.
+template <class T>
+LAB_AMX static inline void block_scales(const uint8_t* block, __m512& d, __m512& m) {
+  const __m256i* dm = reinterpret_cast<const __m256i*>(block);
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(dm));
+  m = T::kMin ? _mm512_cvtph_ps(_mm256_loadu_si256(dm + 1)) : _mm512_setzero_ps();
+}
+
+// M <= 16 rows: both output tiles' sums stay in registers (2 M zmm; past 8 rows the compiler spills some) instead of
+// a read-modify-write of memory per row and block: 4-15 % faster at 1-16 rows, the head 13-22 % (docs/benchmarks.md,
+// session 39). Each row's arithmetic is tile_rows's, in its order: the same bits.
+template <class T, int M>
+LAB_AMX static void tile_rows_in_registers(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums,
+                                           float* y, int64_t out, int64_t t0, int64_t t1) {
+  configure_tiles(M);
+  alignas(64) uint16_t wide[kPair][16 * 32];
+  alignas(64) float products[kPair][16 * 16];
+  for (int64_t t = t0; t < t1; t += kPair) {
+    const int pair = int(std::min<int64_t>(kPair, t1 - t));
+    __m512 acc[kPair][M];
+    for (int h = 0; h < kPair; ++h)
+      for (int r = 0; r < M; ++r) acc[h][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blocks[kPair] = {w + (t * nb + b) * T::kBytes, w + ((t + pair - 1) * nb + b) * T::kBytes};
+      load_weights<T>(blocks, pair, wide);
+      multiply_pieces(xs + b * 3 * M * 32, M * 32, pair, products);
+      for (int h = 0; h < pair; ++h) {
+        __m512 d, m;
+        block_scales<T>(blocks[h], d, m);
+        for (int r = 0; r < M; ++r) {
+          acc[h][r] = _mm512_fmadd_ps(d, _mm512_load_ps(products[h] + 16 * r), acc[h][r]);
+          if constexpr (T::kMin) acc[h][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sums[r * nb + b]), acc[h][r]);
+        }
+      }
+    }
+    for (int h = 0; h < pair; ++h)
+      for (int r = 0; r < M; ++r) _mm512_storeu_ps(y + r * out + (t + h) * 16, acc[h][r]);
+  }
+  _tile_release();
+}
+
+// Any M <= 64 rows (Mp = M, or M rounded up to 16 past 16): the sums in memory, 16 rows of tiles at a time.
+template <class T>
+LAB_AMX static void tile_rows_in_memory(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums,
+                                        int64_t M, int64_t Mp, float* y, int64_t out, int64_t t0, int64_t t1) {
+  configure_tiles(std::min<int64_t>(Mp, 16));
   alignas(64) uint16_t wide[kPair][16 * 32];
   alignas(64) float products[kPair][16 * 16];
   alignas(64) float acc[64 * kPair * 16];    // (row, tile of the pair, 16 outputs)
@@ -139,34 +220,12 @@ LAB_AMX static void tile_rows(const uint8_t* w, int64_t nb, const uint16_t* xs, 
     const int pair = int(std::min<int64_t>(kPair, t1 - t));
     std::memset(acc, 0, size_t(M) * kPair * 16 * sizeof(float));
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blocks[kPair];
+      const uint8_t* blocks[kPair] = {w + (t * nb + b) * T::kBytes, w + ((t + pair - 1) * nb + b) * T::kBytes};
       __m512 d[kPair], m[kPair];
-      for (int h = 0; h < pair; ++h) {
-        blocks[h] = w + ((t + h) * nb + b) * T::kBytes;
-        T::widen(blocks[h] + T::kQuants, wide[h]);
-        const __m256i* dm = reinterpret_cast<const __m256i*>(blocks[h]);
-        d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(dm));
-        m[h] = T::kMin ? _mm512_cvtph_ps(_mm256_loadu_si256(dm + 1)) : _mm512_setzero_ps();
-      }
-      _tile_loadd(3, wide[0], 64);
-      if (pair == 2) _tile_loadd(4, wide[1], 64);
+      for (int h = 0; h < pair; ++h) block_scales<T>(blocks[h], d[h], m[h]);
+      load_weights<T>(blocks, pair, wide);
       for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-        const uint16_t* xa = xs + (b * 3 * Mp + m0) * 32;
-        _tile_loadd(0, xa, 64);
-        _tile_loadd(1, xa + Mp * 32, 64);
-        _tile_loadd(2, xa + 2 * Mp * 32, 64);
-        _tile_zero(5);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(5, 1, 3);
-        _tile_dpbf16ps(5, 2, 3);
-        _tile_stored(5, products[0], 64);
-        if (pair == 2) {
-          _tile_zero(6);
-          _tile_dpbf16ps(6, 0, 4);
-          _tile_dpbf16ps(6, 1, 4);
-          _tile_dpbf16ps(6, 2, 4);
-          _tile_stored(6, products[1], 64);
-        }
+        multiply_pieces(xs + (b * 3 * Mp + m0) * 32, Mp * 32, pair, products);
         const int64_t m1 = std::min<int64_t>(M, m0 + 16);
         for (int h = 0; h < pair; ++h)
           for (int64_t r = m0; r < m1; ++r) {
@@ -182,6 +241,19 @@ LAB_AMX static void tile_rows(const uint8_t* w, int64_t nb, const uint16_t* xs, 
         _mm512_storeu_ps(y + r * out + (t + h) * 16, _mm512_load_ps(acc + (r * kPair + h) * 16));
   }
   _tile_release();
+}
+
+template <class T>
+LAB_AMX static void tile_rows(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums, int64_t M,
+                              int64_t Mp, float* y, int64_t out, int64_t t0, int64_t t1) {
+  switch (M) {
+#define LAB_TILE_ROWS(rows) case rows: return tile_rows_in_registers<T, rows>(w, nb, xs, sums, y, out, t0, t1);
+    LAB_TILE_ROWS(1) LAB_TILE_ROWS(2) LAB_TILE_ROWS(3) LAB_TILE_ROWS(4) LAB_TILE_ROWS(5) LAB_TILE_ROWS(6)
+    LAB_TILE_ROWS(7) LAB_TILE_ROWS(8) LAB_TILE_ROWS(9) LAB_TILE_ROWS(10) LAB_TILE_ROWS(11) LAB_TILE_ROWS(12)
+    LAB_TILE_ROWS(13) LAB_TILE_ROWS(14) LAB_TILE_ROWS(15) LAB_TILE_ROWS(16)
+#undef LAB_TILE_ROWS
+    default: return tile_rows_in_memory<T>(w, nb, xs, sums, M, Mp, y, out, t0, t1);
+  }
 }
 
 // x (..., in) with M <= 64 rows; w (out / 16, in / 32, 320) uint8 = Q4_1 tiles, (out / 16, in / 32, 544) int8 =
