@@ -1,12 +1,13 @@
 """Micro-benchmark: one draft at batch 1 on SmolLM2-135M, with the drafter's and the draft head's weights
-streamed in fp32 against their fp16 copies (`half_weights`): EAGLE (`EagleProposer.propose`, k = 1 by
+streamed in fp32, as fp16 copies and as Q8_0 blocks (`engine.proposer.weights`; on AMX tiles where the target
+runs on them): EAGLE (`EagleProposer.propose`, k = 1 by
 default) or DFlash (`DFlashProposer.propose`: one block forward, k of its drafts read out).
 
 A draft first catches the drafter up over the tokens the target accepted since the last one (`--new`: 1
 after a plain step, 2-5 after a verify, more when suffix decoding drafted meanwhile), then reads the draft
 head. Between two drafts the target's forward streams ~540 MB, so every call here follows a sweep over a
-128 MB buffer: the weights come from DRAM, as in the engine. The two variants take turns call by call
-(ABBA), so a machine whose speed drifts slows both alike; the ratio is fp32 time / fp16 time in the same
+128 MB buffer: the weights come from DRAM, as in the engine. The variants take turns call by call (ABC, then
+CBA), so a machine whose speed drifts slows them alike; the ratios are fp32 time / each variant's in the same
 run. `--profile` prints where the fp16 draft's time goes (torch.profiler, by op).
 
     python experiments/bench_drafter.py --new 1,3,8
@@ -65,16 +66,18 @@ def main() -> None:
     runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
     config_cls = EagleProposerConfig if args.drafter == "eagle" else DFlashProposerConfig
     checkpoint = {"checkpoint": args.checkpoint} if args.checkpoint else {}
-    variants = {name: config_cls(half_weights=half, **checkpoint).build(
+    variants = {weights: config_cls(weights=weights, **checkpoint).build(
         runner, PagedKVCacheManager(num_blocks=512, block_size=16, enable_prefix_caching=False))
-                for name, half in (("fp32", False), ("fp16", True))}
+                for weights in ("fp32", "fp16", "q8_0")}
     width = runner.config.hidden_size * len(variants["fp16"].drafter.feature_layers)
     features = torch.randn(CONTEXT + 40 * args.calls, width)
     flush = torch.ones(32 * 2**20)
+    tiles = runner.block_kernel == "amx" and bool(runner.block_linears)
     print(f"# bench_drafter: {args.drafter} k={args.k} at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
           f"load average {os.getloadavg()[0]:.2f}")
-    print("| tokens caught up | fp32 weights (ms) | fp16 weights (ms) | fp32 / fp16 |")
-    print("|---:|---:|---:|---:|")
+    print(f"| tokens caught up | fp32 weights (ms) | fp16 (ms) | Q8_0 blocks{' (AMX tiles)' * tiles} (ms) "
+          f"| fp32 / fp16 | fp32 / Q8_0 |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for num_new in (int(n) for n in args.new.split(",")):
         requests = {name: _request(p, features, f"r{num_new}") for name, p in variants.items()}
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -89,8 +92,8 @@ def main() -> None:
                 if call >= 2:                                    # NOTE: the first two calls warm up
                     times[name].append(time.perf_counter() - start)
                 assert draft[request.request_id].token_ids, "the benchmark request was not drafted"
-        fp32, fp16 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16"))
-        print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {fp32 / fp16:.2f}x |")
+        fp32, fp16, q8_0 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16", "q8_0"))
+        print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {q8_0:.2f} | {fp32 / fp16:.2f}x | {fp32 / q8_0:.2f}x |")
     if args.profile:
         proposer, request = variants["fp16"], requests["fp16"]
         with torch.profiler.profile() as prof:

@@ -22,6 +22,7 @@ from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig, PagedKVCacheManager
 from lab.kv_cache.base import NoCache
+from lab.models.packed_linear import PackedLinear
 from lab.models.sources import default_cache_dir, tiny
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -31,7 +32,7 @@ from lab.spec.cascade import CascadeProposerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.spec.feature_proposer import ConfidenceGate
+from lab.spec.feature_proposer import ConfidenceGate, resolve_draft_weights
 from lab.spec.suffix import SuffixProposerConfig
 from lab.spec.tree import ROOT
 from lab.training import data as training_data
@@ -358,7 +359,7 @@ def test_dflash_trees_of_the_likeliest_paths_are_lossless_and_walk_as_offline(tr
     stats, drafts = {}, {}
     path = trained["dflash"][0]
     for nodes in (0, 12):
-        config = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=nodes)
+        config = DFlashProposerConfig(checkpoint=str(path), weights="fp32", lookahead_masks=None, tree_nodes=nodes)
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                              max_num_batched_tokens=token_budget))
@@ -395,7 +396,7 @@ def test_dflash_trees_redrafted_under_their_likeliest_paths_are_lossless_and_wal
     path = trained["dflash_fill"][0]
     stats, drafts, answers = {}, {}, {}
     for redraft, levels in ((0, 1), (3, 1), (3, 2)):
-        config = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=12,
+        config = DFlashProposerConfig(checkpoint=str(path), weights="fp32", lookahead_masks=None, tree_nodes=12,
                                       tree_redraft=redraft, tree_redraft_levels=levels)
         engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
@@ -678,7 +679,7 @@ def test_walking_the_answers_offline_gives_the_engines_acceptance(trained: dict,
     assert offsets.walk(lambda i, room: 0, 3, 2) == (2, 0)
     prompts = _prompts(16, seed=3)[8:12]
     path = trained["dflash"][0]
-    proposer = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None)
+    proposer = DFlashProposerConfig(checkpoint=str(path), weights="fp32", lookahead_masks=None)
     engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=2, scheduler=SchedulerConfig(max_num_seqs=1),
                                kv_cache=KV)
     result = engine.run(make_requests(prompts, 24, ignore_eos=True))
@@ -839,6 +840,31 @@ def test_a_draft_vocabulary_keeps_speculation_lossless(trained: dict, kind: str,
     assert all(len(r.output_token_ids) == 8 for r in sampled)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "dflash"])
+def test_drafters_on_q8_0_weights_stay_lossless(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
+    """engine.proposer.weights=q8_0: the drafter's linears stream its weights rounded to Q8_0 blocks (the draft
+    head's: the target's head, here not made of blocks, rounded too); drafts may change, the output may not."""
+    prompts = _prompts(16, seed=3)[8:14]
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
+    config = _proposer_with_vocab(kind, trained[kind][0], 96)
+    config.weights = "q8_0"
+    engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
+    linears = [m for m in [*engine.proposer.drafter.modules(), engine.proposer.draft_head] if isinstance(m, PackedLinear)]
+    assert linears and all(m.fresh_blocks() is not None and m.half_weight is None for m in linears)
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
+    assert engine.stats()["spec_decode_accepted_tokens"] > 0
+
+
+def test_draft_weights_resolve_from_the_target_and_refuse_unknown_kinds(trained: dict, tiny_runner: ModelRunner) -> None:
+    assert resolve_draft_weights("auto", tiny_runner) == "fp16"     # NOTE: the tiny target is not on AMX tiles
+    assert [resolve_draft_weights(w, tiny_runner) for w in ("fp32", "fp16", "q8_0")] == ["fp32", "fp16", "q8_0"]
+    config = _proposer("dflash", trained["dflash"][0])
+    config.weights = "int4"
+    with pytest.raises(LabError, match="engine.proposer.weights='int4'"):
+        config.build(tiny_runner, PagedKVCacheManager(64, 4))
+
+
 def test_draft_head_logits_cover_the_draft_vocabulary_only(trained: dict, tiny_runner: ModelRunner) -> None:
     full = _proposer("eagle", trained["eagle"][0]).build(tiny_runner, PagedKVCacheManager(64, 4))
     cut = _proposer_with_vocab("eagle", trained["eagle"][0], 40).build(tiny_runner, PagedKVCacheManager(64, 4))
@@ -885,7 +911,7 @@ def test_suffix_chains_grafted_onto_dflash_trees_are_lossless_and_walk_as_offlin
     prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:14]]   # a repeat: suffix decoding has matches
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     path = trained["dflash"][0]
-    tree = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None, tree_nodes=12)
+    tree = DFlashProposerConfig(checkpoint=str(path), weights="fp32", lookahead_masks=None, tree_nodes=12)
     stats, drafts = {}, {}
     for graft in (False, True):
         config = (CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), tree, fallback_num_spec_tokens=3,
@@ -1211,7 +1237,7 @@ def test_dflash_denoising_steps_are_lossless_and_draft_as_the_offline_walk(train
     prompts = _prompts(16, seed=3)[8:12]
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     path = trained["dflash_fill"][0]
-    proposer = DFlashProposerConfig(checkpoint=str(path), half_weights=False, lookahead_masks=None,
+    proposer = DFlashProposerConfig(checkpoint=str(path), weights="fp32", lookahead_masks=None,
                                     denoise_steps=denoise_steps)
     engine = SpeculativeEngine(tiny_runner, proposer, num_spec_tokens=3,
                                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32),

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
-from lab.models import native_gemv
+from lab.models import native_gemv, weight_blocks
 from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights,
-                                       project_rows, use_half_weights)
+                                       project_rows, use_half_weights, use_q8_0_weights)
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import load_experiment, make_requests
@@ -168,6 +168,37 @@ def test_project_rows_streams_part_of_the_fp16_copy() -> None:
         torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, layer.weight[rows]))
         plain = torch.nn.Linear(24, 40, bias=False)
         torch.testing.assert_close(project_rows(plain, x, rows), F.linear(x, plain.weight[rows]))
+
+
+@needs_kernel
+def test_q8_0_weights_serve_few_rows_rounded_and_keep_exact_blocks_exact(count_gemv: list[int]) -> None:
+    """use_q8_0_weights (drafters): a weight that is not made of blocks streams its Q8_0 rounding, one that is keeps
+    its own blocks (lossless); more rows, a stale copy or an input dim off the 32-grid take the live fp32 weight."""
+    layer = _packed_layer(out_features=48, in_features=64)
+    assert use_q8_0_weights(torch.nn.Sequential(layer)) == 1 and layer.blocks.dtype == torch.int8
+    assert layer.half_weight is None
+    rounded = weight_blocks.round_to_q8_0(layer.weight)
+    assert torch.equal(weight_blocks.unpack(layer.blocks), rounded)
+    with torch.inference_mode():
+        x = torch.randn(3, layer.in_features)
+        torch.testing.assert_close(layer(x), F.linear(x, rounded, layer.bias), atol=1e-5, rtol=1e-5)
+        assert (layer(x) - F.linear(x, layer.weight, layer.bias)).abs().max() > 1e-6, "the rounding shows"
+        rows = slice(16, None)
+        torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, rounded[rows]), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            layer.weight.mul_(2)                   # the blocks are stale now: the live fp32 weight serves
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(project_rows(layer, x, rows), F.linear(x, layer.weight[rows]))
+    exact = _packed_layer(out_features=48, in_features=64)
+    with torch.no_grad():
+        exact.weight.copy_(weight_blocks.round_to_q4_1(exact.weight))
+    use_q8_0_weights(torch.nn.Sequential(exact))
+    assert exact.blocks.dtype == torch.uint8, "a weight made of Q4_1 blocks streams them, not a rounding"
+    with torch.inference_mode():
+        x = torch.randn(2, exact.in_features)
+        assert torch.equal(exact(x), native_gemv.gemv(x, exact.weight, exact.bias))
+    assert use_q8_0_weights(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
+    assert weight_blocks.quantize_q8_0(torch.randn(4, 24)) is None
 
 
 def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = True) -> PackedLinear:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig
 from lab.models import native_gemv, native_tiles, weight_blocks
-from lab.models.packed_linear import GEMV_MAX_ROWS, PackedLinear
+from lab.models.packed_linear import GEMV_MAX_ROWS, PackedLinear, project_rows
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
+from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.ngram_config import NgramProposerConfig
 from tests.helpers import hf_greedy, load_experiment, make_requests
 from tests.test_weight_blocks import block_source
@@ -109,6 +111,32 @@ def test_engines_on_tiles_equal_hf_greedy_and_speculation_stays_lossless(tile_ru
             result = engine.run(make_requests(prompts, 24, ignore_eos=True))
             assert [r.output_token_ids for r in result.requests] == references, type(engine).__name__
     assert max(steps) > 12, "a verify step past the AVX path's 12 rows ran as one native call"
+
+
+@needs_amx
+def test_drafters_on_a_tile_target_stream_q8_0_tiles_and_stay_lossless(tile_runner: ModelRunner) -> None:
+    """engine.proposer.weights=auto on a target on tiles: the drafter's linears stream Q8_0 tiles of their weights
+    (rounded), the draft head the target's own head tiles (exact); project_rows reads whole 16-row groups of them."""
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (7, 21)]
+    expected = [r.output_token_ids for r in AREngine(tile_runner).run(make_requests(prompts, 16, ignore_eos=True)).requests]
+    config = DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, draft_vocab_size=128)
+    engine = SpeculativeEngine(tile_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=2),
+                               kv_cache=KV)
+    head = engine.proposer.draft_head
+    assert native_tiles.is_tiles(head.blocks) and torch.equal(native_tiles.unpack(head.blocks),
+                                                              tile_runner.model.lm_head.weight[:128])
+    linears = [m for m in engine.proposer.drafter.modules() if isinstance(m, PackedLinear)]
+    assert linears and all(native_tiles.is_tiles(m.blocks) and m.block_max_rows == GEMV_MAX_ROWS for m in linears)
+    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 16, ignore_eos=True)).requests] == expected
+    qkv = engine.proposer.drafter.layers[0].qkv_proj
+    rounded = weight_blocks.round_to_q8_0(qkv.weight)
+    x = torch.randn(1, 5, qkv.in_features)
+    with torch.inference_mode():
+        whole = slice(qkv.out_features - 32, None)                # NOTE: whole 16-row groups: their tiles
+        torch.testing.assert_close(project_rows(qkv, x, whole), F.linear(x, rounded[whole]), atol=1e-5, rtol=1e-5)
+        cut = slice(8, 40)                                        # NOTE: a cut group: the live fp32 weight
+        torch.testing.assert_close(project_rows(qkv, x, cut), F.linear(x, qkv.weight[cut]))
 
 
 def test_block_kernel_amx_without_amx_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

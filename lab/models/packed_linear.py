@@ -128,10 +128,30 @@ class PackedLinear(nn.Linear):
 
 def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
     """x (..., in) -> x @ linear.weight[rows].T (..., rows), no bias: part of a fused projection (a drafter's K and V
-    without Q). Few rows stream that part of the fp16 copy (use_half_weights) where the native kernel runs."""
-    if isinstance(linear, PackedLinear) and linear.half_copy_serves(x):
-        return native_gemv.gemv_f16(x, linear.half_weight[rows], None)
+    without Q). Few rows stream that part of the blocks (use_q8_0_weights) or of the fp16 copy (use_half_weights)
+    where the native kernel runs."""
+    if isinstance(linear, PackedLinear):
+        blocks = linear.fresh_blocks()
+        if (blocks is not None and 0 < x.numel() <= linear.block_max_rows * linear.in_features
+                and native_gemv.usable(x, linear.weight)):
+            part = _block_rows(blocks, rows, linear.out_features)
+            if part is not None:
+                return native_gemv.gemv(x, part, None)
+        if linear.half_copy_serves(x):
+            return native_gemv.gemv_f16(x, linear.half_weight[rows], None)
     return F.linear(x, linear.weight[rows])
+
+
+def _block_rows(blocks: torch.Tensor, rows: slice, out: int) -> torch.Tensor | None:
+    """The blocks of output rows `rows` (a step-1 slice): a slice of a 2-D block tensor, or of whole 16-row
+    groups of AMX tiles (None where `rows` cuts a group)."""
+    start, stop, step = rows.indices(out)
+    if step != 1:
+        return None
+    if not native_tiles.is_tiles(blocks):
+        return blocks[start:stop]
+    group = native_tiles.TILE_ROWS
+    return blocks[start // group:stop // group] if start % group == 0 and stop % group == 0 else None
 
 
 def pack_linear_weights(model: nn.Module, backend: GemmBackend | None = None) -> int:
@@ -194,6 +214,32 @@ def use_block_weights(model: nn.Module, tiles: bool = False) -> tuple[int, int]:
                     given += 1
                     break
     return given, total
+
+
+def use_q8_0_weights(model: nn.Module, tiles: bool = False) -> int:
+    """Give every PackedLinear of `model` Q8_0 blocks for its few-row calls (in AMX tile order with `tiles`, where
+    the output rows are a multiple of 16): the weight's own blocks where it is exactly GGUF block values (a head
+    shared with the target: lossless), else the weight rounded to Q8_0 (weight_blocks.quantize_q8_0: lossy, so
+    only for drafters, whose every draft the target verifies). 1.06 bytes a weight against fp16's 2, and on tiles
+    up to GEMV_MAX_ROWS rows (a drafter's block) for about the price of one. Returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is not PackedLinear or not module.weight.is_cpu or module.weight.dtype != torch.float32:
+                continue
+            blocks = next((found for fmt in weight_blocks.FORMATS
+                           if (found := weight_blocks.find_blocks(module.weight, fmt)) is not None), None)
+            if blocks is None:
+                blocks = weight_blocks.quantize_q8_0(module.weight)
+            if blocks is None:
+                continue
+            packed = native_tiles.pack(blocks) if tiles else None
+            module.blocks = packed if packed is not None else blocks
+            module._blocks_key = module._weight_key()
+            module.block_max_rows = GEMV_MAX_ROWS if packed is not None else BLOCK_MAX_ROWS
+            module.half_weight = None
+            count += 1
+    return count
 
 
 def unpack_linear_weights(model: nn.Module) -> int:

@@ -10,9 +10,10 @@ of their fp32 expansion reads 0.75 / 1.125 bytes a weight instead of 4, and the 
 fp16 d (and m) and |q| <= 127, d * q is exact in fp32 and one FMA rounds d * q + m once, as the dequantizer
 did. The products and sums then run in the fp32 GEMV's order: logits are bit-identical to the fp32 weights'.
 
-Nothing is quantized here: `find_blocks` recovers the blocks a weight already is, and returns None when any
-block of it is not exactly such values (a random-init or bf16-trained model), which then stays fp32.
-`round_to_q4_1` / `round_to_q8_0` do quantize, llama.cpp's way, for tests that need a model made of blocks.
+A target's weights are never quantized here: `find_blocks` recovers the blocks a weight already is, and returns
+None when any block of it is not exactly such values (a random-init or bf16-trained model), which then stays fp32.
+`round_to_q4_1` / `round_to_q8_0` do quantize, llama.cpp's way, for tests that need a model made of blocks, and
+`quantize_q8_0` for drafters (packed_linear.use_q8_0_weights), whose every draft the target verifies.
 
 Layouts (one row of blocks per output row, the input dim a multiple of 32), as the kernel reads them:
 - Q4_1: uint8 (out, in / 32 * 24): per block d (fp32), m (fp32), 16 bytes whose byte j holds q[j] in its low
@@ -146,11 +147,28 @@ def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return (d * q + low.to(torch.float16).to(torch.float32)).reshape(out, inn)
 
 
-def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (out, in) quantized to Q8_0 as llama.cpp does (d = amax / 127 stored fp16) and dequantized."""
+def _q8_0_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (out, in) -> Q8_0's d (out, nb, 1; an fp16 value in fp32) and q (out, nb, 32; integral in fp32),
+    llama.cpp's rounding: d = amax / 127 stored fp16, q = round(w / d)."""
     out, inn = weight.shape
     blocks = weight.detach().to(torch.float32).reshape(out, inn // BLOCK, BLOCK)
     d = (blocks.abs().amax(-1, keepdim=True) / 127).to(torch.float16).to(torch.float32)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = (blocks * inv).round().clamp(-127, 127) + 0.0           # NOTE: + 0.0: an integer q has no -0.0
-    return (d * q).reshape(out, inn)
+    return d, q
+
+
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) quantized to Q8_0 as llama.cpp does (d = amax / 127 stored fp16) and dequantized."""
+    d, q = _q8_0_parts(weight)
+    return (d * q).reshape(weight.shape)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` (out, in) rounded to Q8_0 as `round_to_q8_0` does, as packed blocks (the module docstring's
+    layout), or None where the input dim is not a multiple of 32. Lossy (~0.2 % of a block's largest weight):
+    for drafters, whose drafts the target verifies."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    d, q = _q8_0_parts(weight.detach().to("cpu"))
+    return pack(d, torch.zeros_like(d), q, "q8_0")

@@ -33,7 +33,8 @@ from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
-from lab.spec.feature_proposer import MAX_TREE_WIDTH, ConfidenceGate, FeatureProposer, build_drafter
+from lab.spec.feature_proposer import (MAX_TREE_WIDTH, ConfidenceGate, DraftWeights, FeatureProposer, build_drafter,
+                                       resolve_draft_weights)
 from lab.spec.proposer import Draft
 from lab.spec.tree import Candidates, Paths, Redrafts, grow_redrafts, marginal_tree, with_siblings
 
@@ -106,11 +107,11 @@ class _ContextKV:
 
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, kv: KVCacheManager, draft_vocab_size: int = 0,
-                 half_weights: bool = False, gate: ConfidenceGate | None = None,
+                 weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
                  tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0,
                  tree_redraft: int = 0, tree_redraft_levels: int = 1) -> None:
-        super().__init__(target, drafter, kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        super().__init__(target, drafter, kv, draft_vocab_size, weights, gate, tree_width, tree_min_prob)
         _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps, tree_redraft, tree_redraft_levels,
                           drafter.config.max_fill)
         most = drafter.config.max_fill + 1
@@ -363,7 +364,8 @@ class DFlashProposer(FeatureProposer):
 class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
-    first N token ids only (0: all); half_weights: stream fp16 copies of the weights in few-row products;
+    first N token ids only (0: all); weights: what few-row products stream (auto, fp32, fp16, q8_0;
+    feature_proposer.resolve_draft_weights);
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
@@ -385,7 +387,7 @@ class DFlashProposerConfig:
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
-    half_weights: bool = True
+    weights: str = "auto"
     min_confidence: float = 0.0
     always_draft: int = 0
     lookahead_masks: int | None = None
@@ -424,8 +426,9 @@ class DFlashProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
-        drafter = build_drafter("dflash", target, self.checkpoint, fresh, self.half_weights)
-        return DFlashProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
+        weights = resolve_draft_weights(self.weights, target)
+        drafter = build_drafter("dflash", target, self.checkpoint, fresh, weights)
+        return DFlashProposer(target, drafter, kv, self.draft_vocab_size, weights,
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
                               self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps,
                               self.tree_nodes, self.tree_redraft, self.tree_redraft_levels)

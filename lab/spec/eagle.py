@@ -27,16 +27,16 @@ from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
-from lab.spec.feature_proposer import ConfidenceGate, FeatureProposer, build_drafter
+from lab.spec.feature_proposer import ConfidenceGate, DraftWeights, FeatureProposer, build_drafter, resolve_draft_weights
 from lab.spec.proposer import Draft
 from lab.spec.tree import ROOT, DraftTree
 
 
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, target_kv: KVCacheManager,
-                 draft_vocab_size: int = 0, half_weights: bool = False, gate: ConfidenceGate | None = None,
+                 draft_vocab_size: int = 0, weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
                  tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
-        super().__init__(target, drafter, target_kv, draft_vocab_size, half_weights, gate, tree_width, tree_min_prob)
+        super().__init__(target, drafter, target_kv, draft_vocab_size, weights, gate, tree_width, tree_min_prob)
         c, num_blocks, block_size = target.config, target_kv.num_blocks, target_kv.block_size
         # NOTE: the head's own KV (one layer), as many blocks as the target's; the native paged kernel for its
         # few-token steps (as the target's decode), SDPA otherwise.
@@ -192,8 +192,8 @@ class EagleProposer(FeatureProposer):
 @dataclass(slots=True)
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
-    draft_vocab_size: draft logits for the first N token ids only (0: all); half_weights: stream fp16 copies of
-    the head's weights; min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
+    draft_vocab_size: draft logits for the first N token ids only (0: all); weights: what the head's few-row
+    products stream (auto, fp32, fp16, q8_0; feature_proposer.resolve_draft_weights); min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
     confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py);
     tree_width: draft a beam of at most tree_width nodes a depth, not only the chain (a tree; 1: a chain), a node
     off the chain only where its path probability is >= tree_min_prob."""
@@ -201,7 +201,7 @@ class EagleProposerConfig:
     checkpoint: str | None = "checkpoints/smollm2/eagle_mix.pt"
     seed: int = 0
     draft_vocab_size: int = 8192
-    half_weights: bool = True
+    weights: str = "auto"
     min_confidence: float = 0.0
     always_draft: int = 0
     tree_width: int = 1
@@ -219,7 +219,8 @@ class EagleProposerConfig:
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed)
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
-        drafter = build_drafter("eagle", target, self.checkpoint, fresh, self.half_weights)
-        return EagleProposer(target, drafter, kv, self.draft_vocab_size, self.half_weights,
+        weights = resolve_draft_weights(self.weights, target)
+        drafter = build_drafter("eagle", target, self.checkpoint, fresh, weights)
+        return EagleProposer(target, drafter, kv, self.draft_vocab_size, weights,
                              ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width,
                              self.tree_min_prob)

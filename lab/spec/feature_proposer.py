@@ -11,9 +11,12 @@ verification and so the output are unchanged (q is 0 outside the draft vocabular
 sampling handles like any other q).
 
 At batch 1 a drafter step is a few matrix-vector products whose cost is the bytes of weight they stream
-(its layer and the draft head: ~36 MB in fp32 for smollm2's EAGLE). `half_weights` streams fp16 copies
-instead (fp32 arithmetic): the checkpoint is stored in fp16, so the drafter's own weights lose nothing; the
-head's logits move by ~1e-3 of their spread, which can only change which token is drafted, never the output.
+(its layer and the draft head: ~36 MB in fp32 for smollm2's EAGLE). `weights` picks what they stream
+(resolve_draft_weights): `fp16` copies (fp32 arithmetic; the checkpoint is stored in fp16, so the drafter's own
+weights lose nothing; the head's logits move by ~1e-3 of their spread), or `q8_0` blocks (1.06 bytes a weight:
+the head's are the target's own Q8_0 blocks, exact; the drafter's are its fp16 weights rounded to Q8_0, ~0.2 %
+of a block's largest weight), which on AMX tiles serve a drafter's whole block for about the price of one row.
+Either can only change which token is drafted, never the output.
 
 A ConfidenceGate (`min_confidence`, `always_draft`) drafts only while the product of the drafter's confidences
 (its distribution's largest probability at each position) stays at or above it, as suffix decoding does with
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -34,19 +38,46 @@ from torch import nn
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
-from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights
+from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights, use_q8_0_weights
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.spec.features import FeatureStore
 from lab.spec.proposer import pick_draft_tokens
 
 MAX_TREE_WIDTH = 8   # NOTE: candidates a tree node may have; the engine checks the whole tree's size
+DraftWeights = Literal["auto", "fp32", "fp16", "q8_0"]
+DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("auto", "fp32", "fp16", "q8_0")
+
+
+def resolve_draft_weights(weights: str, target: ModelRunner) -> DraftWeights:
+    """engine.proposer.weights -> what the drafter's few-row products stream: `auto` is `q8_0` where the target's
+    blocks run on AMX tiles (model.block_kernel; a drafter's block of rows then costs about one), else `fp16`."""
+    if weights not in DRAFT_WEIGHTS:
+        raise LabError(f"engine.proposer.weights={weights!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
+                       "use engine.proposer.weights=auto (Q8_0 blocks on AMX tiles, else fp16 copies), fp32, fp16 "
+                       "or q8_0")
+    if weights == "auto":
+        return "q8_0" if _target_on_tiles(target) else "fp16"
+    return weights
+
+
+def _target_on_tiles(target: ModelRunner) -> bool:
+    return bool(target.block_linears) and target.block_kernel == "amx"
+
+
+def _stream_draft_weights(module: nn.Module, target: ModelRunner, weights: DraftWeights) -> None:
+    """Give `module`'s packed linears what their few-row products stream (resolve_draft_weights; `fp32`: their
+    own weights)."""
+    if weights == "fp16":
+        use_half_weights(module)
+    elif weights == "q8_0":
+        use_q8_0_weights(module, tiles=_target_on_tiles(target))
 
 
 def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
-                  half_weights: bool = False) -> nn.Module:
+                  weights: DraftWeights = "fp32") -> nn.Module:
     """The checkpoint's drafter on the target's device and dtype, or `fresh` (random init) when checkpoint is None;
-    `half_weights`: its few-row matrix products stream fp16 copies of the weights (use_half_weights)."""
+    `weights` (resolve_draft_weights): what its few-row matrix products stream."""
     if checkpoint is None:
         if fresh is None:
             raise LabError(f"proposer={kind} needs a checkpoint", "set engine.proposer.checkpoint")
@@ -58,14 +89,13 @@ def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh:
         # NOTE: the target's own fast paths (few-row GEMV, panel GEMM): a drafter forward at batch 1 is a
         # handful of matrix-vector products, which MKL's F.linear streams markedly slower.
         pack_linear_weights(drafter)
-        if half_weights:
-            use_half_weights(drafter)
+        _stream_draft_weights(drafter, target, weights)
     return drafter
 
 
-def draft_head(target: ModelRunner, draft_vocab_size: int, half_weights: bool = False) -> nn.Linear | None:
+def draft_head(target: ModelRunner, draft_vocab_size: int, weights: DraftWeights = "fp32") -> nn.Linear | None:
     """The target's LM head over its first `draft_vocab_size` token ids, sharing the weight (a view of its
-    first rows; with `half_weights` the GEMV streams an fp16 copy of them); None for the whole vocabulary (0, or
+    first rows; `weights`: what the GEMV streams, resolve_draft_weights); None for the whole vocabulary (0, or
     >= the vocabulary)."""
     vocab = target.config.vocab_size
     if draft_vocab_size < 0:
@@ -81,8 +111,7 @@ def draft_head(target: ModelRunner, draft_vocab_size: int, half_weights: bool = 
         head.bias = nn.Parameter(full.bias.detach()[:draft_vocab_size], requires_grad=False)
     if can_pack(target.device, target.dtype):
         pack_linear_weights(head)       # NOTE: the target's own fast paths: few-row GEMV, panel GEMM
-        if half_weights:
-            use_half_weights(head)
+        _stream_draft_weights(head, target, weights)
     return head.eval()
 
 
@@ -133,7 +162,7 @@ def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[
 
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, kv: KVCacheManager, draft_vocab_size: int = 0,
-                 half_weights: bool = False, gate: ConfidenceGate | None = None, tree_width: int = 1,
+                 weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None, tree_width: int = 1,
                  tree_min_prob: float = 0.0) -> None:
         if not 1 <= tree_width <= MAX_TREE_WIDTH:
             raise LabError(f"engine.proposer.tree_width must be 1 (a chain of drafts) to {MAX_TREE_WIDTH}, got "
@@ -147,7 +176,7 @@ class FeatureProposer:
         self.target = target.model
         self.drafter = drafter
         self.vocab_size = target.config.vocab_size
-        self.draft_head = draft_head(target, draft_vocab_size, half_weights)
+        self.draft_head = draft_head(target, draft_vocab_size, weights)
         self.device, self.dtype = target.device, target.dtype
         self.feature_layers = tuple(i % target.config.num_layers for i in drafter.feature_layers)
         # NOTE: in the target's KV blocks (`kv`: its manager), so prefix-cache hits bring their features along
