@@ -42,6 +42,7 @@ from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss
                                  on_greedy_path)
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from lab.workloads import DatasetWorkload
+from tests.conftest import compose_cfg
 from tests.helpers import load_experiment, make_requests, record_drafts, run_one_arrival_per_step
 
 KV = PagedKVCacheConfig(block_size=4, num_blocks=512, kv_cache_memory_mb=None)
@@ -963,6 +964,16 @@ def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(tr
         SpeculativeEngine(tiny_runner, chain, num_spec_tokens=3, kv_cache=KV)
     stats = _sampled_twice(tiny_runner, replace(chain, fallback=DFlashProposerConfig(checkpoint=path, tree_nodes=12)))
     assert stats["spec/grafted_drafts"] == 0
+
+
+def test_the_cpu_sized_graft_config_is_the_tree_suffix_graft_with_a_small_tree() -> None:
+    """engine=dflash_graft: engine=dflash_tree_suffix with a 4-node tree and no redrafts (its rows stay few)."""
+    graft = compose_cfg(["+experiment=crossover", "engine=dflash_graft"]).engine
+    tree = compose_cfg(["+experiment=crossover", "engine=dflash_tree_suffix"]).engine
+    assert graft.name == "dflash_graft" and graft.proposer.graft and graft.proposer.primary == tree.proposer.primary
+    assert (graft.proposer.fallback.tree_nodes, graft.proposer.fallback.tree_redraft) == (4, 0)
+    assert graft.proposer.fallback.checkpoint == tree.proposer.fallback.checkpoint
+    assert graft.num_spec_tokens == tree.num_spec_tokens
 
 
 def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:
