@@ -176,8 +176,8 @@ LAB_AMX static inline void block_scales(const uint8_t* block, __m512& d, __m512&
 }
 
 // M <= 16 rows: both output tiles' sums stay in registers (2 M zmm; past 8 rows the compiler spills some) instead of
-// a read-modify-write of memory per row and block: 4-15 % faster at 1-16 rows, the head 13-22 % (docs/benchmarks.md,
-// session 39). Each row's arithmetic is tile_rows's, in its order: the same bits.
+// a read-modify-write of memory per row and block: SmolLM2's projections 4-18 % faster at 1-16 rows, the head 23-39 %
+// (docs/benchmarks.md, session 39). Each row's arithmetic is tile_rows_in_memory's, in its order: the same bits.
 template <class T, int M>
 LAB_AMX static void tile_rows_in_registers(const uint8_t* w, int64_t nb, const uint16_t* xs, const float* sums,
                                            float* y, int64_t out, int64_t t0, int64_t t1) {
