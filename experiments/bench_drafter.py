@@ -29,7 +29,7 @@ from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.spec.feature_proposer import FeatureProposer
+from lab.spec.feature_proposer import FeatureProposer, resolve_draft_weights
 
 CONTEXT = 150      # tokens of context before the first draft
 
@@ -72,7 +72,7 @@ def main() -> None:
     width = runner.config.hidden_size * len(variants["fp16"].drafter.feature_layers)
     features = torch.randn(CONTEXT + 40 * args.calls, width)
     flush = torch.ones(32 * 2**20)
-    tiles = runner.block_kernel == "amx" and bool(runner.block_linears)
+    tiles = resolve_draft_weights("auto", runner) == "q8_0"          # NOTE: the target runs on AMX tiles
     print(f"# bench_drafter: {args.drafter} k={args.k} at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"| tokens caught up | fp32 weights (ms) | fp16 (ms) | Q8_0 blocks{' (AMX tiles)' * tiles} (ms) "

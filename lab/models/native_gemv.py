@@ -918,8 +918,9 @@ at::Tensor decode_layers(at::Tensor x, std::vector<std::vector<at::Tensor>> laye
 // SmolLM2 step).
 static void write_kv_rows(at::Tensor& store, const at::Tensor& rows, const int64_t* slots) {
   const int64_t N = rows.size(0), H = rows.size(1), D = rows.size(2), S = store.numel() / (H * D);
-  TORCH_CHECK(store.is_contiguous() && rows.stride(2) == 1 && rows.stride(1) == D && rows.scalar_type() == at::kFloat &&
-              store.scalar_type() == at::kFloat, "write_kv_rows: fp32 rows (N, Hkv, D) with contiguous heads");
+  TORCH_CHECK(store.is_contiguous() && rows.stride(2) == 1 && rows.stride(1) == D &&
+              rows.scalar_type() == at::kFloat && store.scalar_type() == at::kFloat,
+              "write_kv_rows: fp32 rows (N, Hkv, D) with contiguous heads");
   float* sp = store.data_ptr<float>();
   const float* rp = rows.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
@@ -951,7 +952,8 @@ std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<
   const int64_t* slot_ids = slots.data_ptr<int64_t>();
   const int64_t store_slots = k_stores.empty() ? 0 : k_stores[0].numel() / (num_kv_heads * D);
   for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(slot_ids[n] >= 0 && slot_ids[n] < store_slots, "paged_step_layers: slot ", slot_ids[n], " outside the store");
+    TORCH_CHECK(slot_ids[n] >= 0 && slot_ids[n] < store_slots, "paged_step_layers: slot ", slot_ids[n],
+                " outside the store");
   std::vector<at::Tensor> out{at::Tensor()};
   size_t next_capture = 0;
   at::Tensor h = x;

@@ -202,17 +202,10 @@ def use_block_weights(model: nn.Module, tiles: bool = False) -> tuple[int, int]:
             if type(module) is not PackedLinear:
                 continue
             total += 1
-            if not module.weight.is_cpu or module.weight.dtype != torch.float32:
-                continue
-            for fmt in weight_blocks.FORMATS:
-                blocks = weight_blocks.find_blocks(module.weight, fmt)
-                if blocks is not None and tiles:
-                    packed = native_tiles.pack(blocks)
-                    blocks = packed if packed is not None else blocks
-                if blocks is not None:
-                    module.blocks, module._blocks_key = blocks, module._weight_key()
-                    given += 1
-                    break
+            blocks = _exact_blocks(module.weight)
+            if blocks is not None:
+                _give_blocks(module, blocks, tiles)
+                given += 1
     return given, total
 
 
@@ -225,21 +218,37 @@ def use_q8_0_weights(model: nn.Module, tiles: bool = False) -> int:
     count = 0
     with torch.no_grad():
         for module in model.modules():
-            if type(module) is not PackedLinear or not module.weight.is_cpu or module.weight.dtype != torch.float32:
+            if type(module) is not PackedLinear:
                 continue
-            blocks = next((found for fmt in weight_blocks.FORMATS
-                           if (found := weight_blocks.find_blocks(module.weight, fmt)) is not None), None)
-            if blocks is None:
+            blocks = _exact_blocks(module.weight)
+            if blocks is None and _is_cpu_fp32(module.weight):
                 blocks = weight_blocks.quantize_q8_0(module.weight)
             if blocks is None:
                 continue
-            packed = native_tiles.pack(blocks) if tiles else None
-            module.blocks = packed if packed is not None else blocks
-            module._blocks_key = module._weight_key()
-            module.block_max_rows = GEMV_MAX_ROWS if packed is not None else BLOCK_MAX_ROWS
+            module.block_max_rows = GEMV_MAX_ROWS if _give_blocks(module, blocks, tiles) else BLOCK_MAX_ROWS
             module.half_weight = None
             count += 1
     return count
+
+
+def _is_cpu_fp32(weight: torch.Tensor) -> bool:
+    return weight.is_cpu and weight.dtype == torch.float32
+
+
+def _exact_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """The GGUF blocks (Q4_1, else Q8_0) whose values `weight` exactly is, or None (weight_blocks.find_blocks)."""
+    if not _is_cpu_fp32(weight):
+        return None
+    return next((found for fmt in weight_blocks.FORMATS
+                 if (found := weight_blocks.find_blocks(weight, fmt)) is not None), None)
+
+
+def _give_blocks(module: PackedLinear, blocks: torch.Tensor, tiles: bool) -> bool:
+    """`module`'s few-row calls stream `blocks`, in AMX tile order with `tiles` where they fit (native_tiles.pack);
+    whether they went as tiles."""
+    packed = native_tiles.pack(blocks) if tiles else None
+    module.blocks, module._blocks_key = (blocks if packed is None else packed), module._weight_key()
+    return packed is not None
 
 
 def unpack_linear_weights(model: nn.Module) -> int:

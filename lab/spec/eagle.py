@@ -27,7 +27,8 @@ from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
-from lab.spec.feature_proposer import ConfidenceGate, DraftWeights, FeatureProposer, build_drafter, resolve_draft_weights
+from lab.spec.feature_proposer import (ConfidenceGate, DraftWeights, FeatureProposer, build_drafter,
+                                       resolve_draft_weights)
 from lab.spec.proposer import Draft
 from lab.spec.tree import ROOT, DraftTree
 
@@ -193,8 +194,9 @@ class EagleProposer(FeatureProposer):
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
     draft_vocab_size: draft logits for the first N token ids only (0: all); weights: what the head's few-row
-    products stream (auto, fp32, fp16, q8_0; feature_proposer.resolve_draft_weights); min_confidence, always_draft: the ConfidenceGate (draft while the product of the head's
-    confidences stays >= min_confidence, the first always_draft positions regardless; lab/spec/feature_proposer.py);
+    products stream (auto, fp32, fp16, q8_0; feature_proposer.resolve_draft_weights); min_confidence, always_draft:
+    the ConfidenceGate (draft while the product of the head's confidences stays >= min_confidence, the first
+    always_draft positions regardless; lab/spec/feature_proposer.py);
     tree_width: draft a beam of at most tree_width nodes a depth, not only the chain (a tree; 1: a chain), a node
     off the chain only where its path probability is >= tree_min_prob."""
 
