@@ -29,7 +29,7 @@ from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.spec.cascade import CascadeProposerConfig
-from lab.spec.dflash import DFlashProposerConfig
+from lab.spec.dflash import DFlashProposer, DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
 from lab.spec.feature_proposer import ConfidenceGate, resolve_draft_weights
@@ -382,6 +382,35 @@ def test_dflash_trees_of_the_likeliest_paths_are_lossless_and_walk_as_offline(tr
                                                               tree_nodes=(12,))
         assert walked["3, tree of 12"][0] == pytest.approx(stats[12]["spec_decode_acceptance_length"])
         assert walked["3"][0] == pytest.approx(stats[0]["spec_decode_acceptance_length"])
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_dflash_small_trees_read_only_the_offsets_they_can_hold(max_num_seqs: int, tiny_runner: ModelRunner,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree of 3 nodes is at most 3 deep: at k = 7 only offsets 1-3 of the block go through the draft head, and
+    every tree (tokens and parents) is the one that reading all 7 gives; the output is `ar`'s."""
+    prompts = _prompts(8, seed=5)[:4]
+    requests = make_requests(prompts, 20, ignore_eos=True)
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(requests).requests]
+    config = DFlashProposerConfig(checkpoint=None, drafter={"block_size": 8}, weights="fp32", tree_nodes=3)
+    drafts, head_rows = {}, {}
+    for offsets in ("tree depth", "all"):
+        if offsets == "all":
+            monkeypatch.setattr(DFlashProposer, "offsets_to_draft", lambda self, requests, k: k)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=7, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+        rows: list[int] = []
+        pick = engine.proposer.pick
+        monkeypatch.setattr(engine.proposer, "pick",
+                            lambda hidden, *args: rows.append(len(hidden)) or pick(hidden, *args))
+        recorded = record_drafts(engine)
+        result = engine.run(make_requests(prompts, 20, ignore_eos=True))
+        assert [r.output_token_ids for r in result.requests] == expected
+        drafts[offsets] = [(d.token_ids, d.parents) for d in recorded]
+        head_rows[offsets] = rows
+    assert drafts["tree depth"] == drafts["all"] and len(drafts["all"]) > 10
+    assert max(len(tokens) for tokens, _ in drafts["all"]) == 3
+    assert all(r % 3 == 0 for r in head_rows["tree depth"]) and all(r % 7 == 0 for r in head_rows["all"])
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4])

@@ -120,3 +120,38 @@ def test_packed_linear_matches_plain_linear_and_falls_back_when_the_weight_chang
         with torch.no_grad():
             layer.weight.copy_(saved)
         layer.pack()
+
+
+@needs_kernel
+@pytest.mark.parametrize("group,head_dim,block_size", [(3, 64, 16), (1, 8, 4), (2, 40, 16), (5, 72, 8)])
+def test_rows_of_one_sequence_attended_in_pairs_are_bit_identical_to_one_at_a_time(group: int, head_dim: int,
+                                                                                   block_size: int) -> None:
+    """Consecutive rows on the same blocks (a verify step's tokens) are attended two at a time in AVX-512 registers
+    (attention_pairs): every row's output equals, bit for bit, the row attended alone, whatever its key count
+    (quads, tails, a shorter row first or second), its hidden keys (a tree's siblings), or q's row stride (the query
+    heads of a fused QKV row); a row of another sequence stays alone."""
+    kernel = load_kernel()
+    if not kernel.attention_pairs(1):
+        pytest.skip("this CPU lacks AVX-512F/VL: rows are attended one at a time")
+    generator = torch.Generator().manual_seed(0)
+    kv_heads, num_blocks = 2, 40
+    k_store = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    v_store = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
+    mine, other = torch.randperm(num_blocks, generator=generator)[:24].view(2, 12)
+    tables = torch.stack([mine] * 4 + [other, mine]).contiguous()
+    try:
+        for context in (1, 3, 8, 16, 37):
+            lens = torch.tensor([context + 1, context + 2, context + 4, context + 3, context + 2, context + 1])
+            hidden = torch.tensor([0, 0b10, 0b1010, 0b110, 0, 0b10 * (context > 1)])
+            for keys_hidden in (torch.empty(0, dtype=torch.long), hidden):
+                fused = torch.randn(6, kv_heads * group + 3, head_dim, generator=generator)
+                q = fused[:, :kv_heads * group].view(6, kv_heads, group, head_dim)          # rows apart
+                outs = []
+                for pairs in (1, 0):
+                    kernel.attention_pairs(pairs)
+                    out = torch.empty(q.shape)
+                    kernel.paged_decode(q, k_store, v_store, tables, lens, keys_hidden, 1 / math.sqrt(head_dim), out)
+                    outs.append(out)
+                assert torch.equal(outs[0], outs[1])
+    finally:
+        kernel.attention_pairs(1)

@@ -13,7 +13,8 @@ from lab.engines.base import request_seed
 from lab.errors import LabError
 from lab.request import SamplingParams
 from lab.sample import Sampler
-from lab.sample.sampler import filter_logits, make_generator
+from lab.models import native_gemv
+from lab.sample.sampler import argmax_rows, filter_logits, make_generator
 
 
 def test_greedy_is_argmax() -> None:
@@ -100,3 +101,23 @@ def test_an_unseeded_requests_seed_is_the_same_in_every_process() -> None:
     seeds = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": salt},
                             capture_output=True, text=True, check=True).stdout.strip() for salt in ("1", "2")}
     assert seeds == {str(request_seed(0, "random-3"))} and request_seed(0, "random-3") != request_seed(1, "random-3")
+
+
+def test_argmax_rows_is_torch_argmax_on_every_edge() -> None:
+    """The native argmax (two vectorised passes a row) returns torch.argmax(-1): the first of tied maxima, the first
+    NaN where there is one, index 0 of an all -inf row, any row length and layout."""
+    native = native_gemv.load_kernel() is not None
+    generator = torch.Generator().manual_seed(0)
+    nan_rows = torch.randn(3, 100, generator=generator)
+    nan_rows[1, [50, 70]] = float("nan")
+    nan_rows[2, 99] = float("nan")
+    zeros = torch.zeros(2, 20)
+    zeros[0, 3], zeros[1] = -0.0, -0.0
+    cases = [torch.randn(7, 49152, generator=generator), torch.randn(3, 5, generator=generator),
+             torch.full((2, 13), float("-inf")), torch.randint(0, 3, (50, 37), generator=generator).float(),
+             nan_rows, zeros, torch.randn(5, 1000, generator=generator)[:, ::2],
+             torch.randn(2, 3, 17, generator=generator),
+             torch.tensor([float("inf"), 1.0, float("inf")]), torch.randn(4, 8, generator=generator)]
+    for logits in cases:
+        assert native_gemv.usable(logits) == native   # NOTE: the kernel's answer where it is built, not torch's
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))

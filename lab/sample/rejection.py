@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.request import SamplingParams
-from lab.sample.sampler import Sampler, filter_logits
+from lab.sample.sampler import Sampler, argmax_rows, filter_logits
 from lab.spec.tree import walk_greedy
 
 
@@ -67,12 +67,12 @@ class RejectionSampler:
                            ) -> VerifyResult:
         """A tree of drafts (lab/spec/tree.py), greedy: target_logits (1 + n, V) at the root and at every draft ->
         the longest path of drafts that are each the target's token after their parent, and the target's next."""
-        path, target = walk_greedy(target_logits.argmax(dim=-1).tolist(), draft_token_ids, parents)
+        path, target = walk_greedy(argmax_rows(target_logits).tolist(), draft_token_ids, parents)
         return VerifyResult([draft_token_ids[i] for i in path] + [target], len(path), path)
 
     @staticmethod
     def _verify_greedy(target_logits: torch.Tensor, draft_token_ids: list[int]) -> VerifyResult:
-        target_ids = target_logits.argmax(dim=-1).tolist()                        # (k+1,)
+        target_ids = argmax_rows(target_logits).tolist()                           # (k+1,)
         num_accepted = 0
         for draft, target in zip(draft_token_ids, target_ids):
             if draft != target:

@@ -192,6 +192,14 @@ class DFlashProposer(FeatureProposer):
             return max(k, self.tree_nodes)
         return k * self.tree_width if self.tree_tails else k + self.tree_width - 1
 
+    def offsets_to_draft(self, requests: list[Request], k: int) -> int:
+        """How many of the block's k offsets go through the head: a tree of N nodes is at most N deep, so for greedy
+        requests drafting trees only the first min(k, N) can be in it (the graft's 4-node tree: 4 of 7). The block
+        itself (its rows, hence every draft) stays as k sets it."""
+        if self.tree_nodes and all(r.sampling_params.is_greedy for r in requests):
+            return min(k, self.tree_nodes)
+        return k
+
     def tree_candidates(self, k: int) -> tuple[slice | None, int]:
         """Which of a batch's S * k draft rows (request-major) offer candidates for a tree, and how many each:
         every row for a tree of paths (tree_nodes), each block's first for runners-up (tree_width), none for
@@ -334,6 +342,7 @@ class DFlashProposer(FeatureProposer):
         if self.lookahead_masks is not None:
             block = min(block, k + 1 + self.lookahead_masks)
         contexts = self._extend_contexts(active)
+        k = self.offsets_to_draft(active, k)
         redrafted: list[Redrafts] = [{} for _ in active]
         # NOTE: redrafting under the likeliest paths is eager (its blocks are R = S x tree_redraft a level, not S)
         if (self.graphs is not None and self.graphs.fits(num_seqs) and not self.tree_redraft

@@ -40,6 +40,7 @@ from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
 from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights, use_q8_0_weights
 from lab.request import Request, SamplingParams
+from lab.sample.sampler import argmax_rows
 from lab.runner import ModelRunner
 from lab.spec.features import FeatureStore
 from lab.spec.proposer import pick_draft_tokens
@@ -256,7 +257,7 @@ class FeatureProposer:
     def greedy_from_scores(self, head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """head_scores (..., N) -> the greedy draft tokens (...) and, with the gate on, the drafter's largest
         probability at each (...), else None. No host synchronisation: a CUDA graph can capture it."""
-        return head.argmax(-1), torch.softmax(head, -1).amax(-1) if self.gate.active else None
+        return argmax_rows(head), torch.softmax(head, -1).amax(-1) if self.gate.active else None
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Post-norm states (..., H) -> fp32 logits (..., V): the target's head, or the draft vocabulary's

@@ -16,6 +16,7 @@ import torch
 from lab.errors import LabError
 from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
+from lab.sample.sampler import argmax_rows
 from lab.spec.tree import cut, depths, likeliest
 
 
@@ -98,7 +99,7 @@ def pick_draft_tokens(logits: torch.Tensor, params: list[SamplingParams], genera
     tokens, probs = [], []
     for row, p, generator in zip(logits, params, generators):
         if p.is_greedy:
-            tokens.append(int(row.argmax()))
+            tokens.append(int(argmax_rows(row)))
             probs.append(None)
         else:
             q = target_probs(row[None], p)[0]                                        # (V,)
