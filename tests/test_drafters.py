@@ -28,7 +28,7 @@ from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
-from lab.spec.cascade import CascadeProposerConfig
+from lab.spec.cascade import CascadeProposer, CascadeProposerConfig
 from lab.spec.dflash import DFlashProposer, DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
@@ -965,6 +965,39 @@ def test_suffix_chains_grafted_onto_dflash_trees_are_lossless_and_walk_as_offlin
                                                               tree_nodes=(12,), graft_suffix=0.1)
         assert walked["3, tree of 12, suffix grafted"][0] == pytest.approx(tau[True])
         assert walked["3, tree of 12"][0] == pytest.approx(tau[False])
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_a_chain_that_fills_the_grafted_tree_skips_the_fallback(trained: dict, max_num_seqs: int,
+                                                                 tiny_runner: ModelRunner,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A suffix chain as long as the grafted tree's max_nodes (3 here: a 2-node tree, 3 drafts) outranks every node
+    off it, so the graft would keep none of DFlash's tree: DFlash drafts only the other requests, and every step
+    verifies the same tokens as grafting everything does (the chain, not a one-branch tree), with `ar`'s output."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:14]]   # a repeat: suffix decoding has matches
+    ar = AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True))
+    expected = [r.output_token_ids for r in ar.requests]
+    tree = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), weights="fp32", lookahead_masks=None,
+                                tree_nodes=2)
+    config = CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), tree, fallback_num_spec_tokens=3,
+                                   graft=True)
+    drafted, verified, tau = {}, {}, {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(CascadeProposer, "filling_chains", staticmethod(lambda *args: set()))
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64))
+        counts: list[int] = []
+        fallback = engine.proposer.fallback.propose
+        monkeypatch.setattr(engine.proposer.fallback, "propose",
+                            lambda requests, *args: counts.append(len(requests)) or fallback(requests, *args))
+        drafts = record_drafts(engine)
+        result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+        assert [r.output_token_ids for r in result.requests] == expected
+        drafted[skip], verified[skip] = sum(counts), [d.token_ids for d in drafts]
+        tau[skip] = engine.stats()["spec_decode_acceptance_length"]
+    assert verified[True] == verified[False] and tau[True] == tau[False]
+    assert drafted[True] < drafted[False]
 
 
 def test_a_chain_grafted_onto_runners_up_without_path_probabilities_stays_lossless(trained: dict,
