@@ -132,7 +132,7 @@ def test_rows_of_one_sequence_attended_in_pairs_are_bit_identical_to_one_at_a_ti
     heads of a fused QKV row); a row of another sequence stays alone."""
     kernel = load_kernel()
     if not kernel.attention_pairs(1):
-        pytest.skip("this CPU lacks AVX-512F/VL: rows are attended one at a time")
+        pytest.skip("AVX-512 is off here (a CPU without AVX-512F/VL, or LAB_BLOCKS_AVX512=0): rows go one at a time")
     generator = torch.Generator().manual_seed(0)
     kv_heads, num_blocks = 2, 40
     k_store = torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator)
