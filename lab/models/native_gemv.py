@@ -1054,7 +1054,8 @@ void paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, a
     std::vector<float> scores(2 * attention_scores_size(G, max_len));
     std::vector<const float*> kb(max_nb), vb(max_nb);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = firsts[i / H], h = i % H, paired = firsts[i / H + 1] - b == 2;
+      const int64_t b = firsts[i / H], h = i % H;
+      const bool paired = firsts[i / H + 1] - b == 2;
       const int64_t longest = paired ? std::max(lp[b], lp[b + 1]) : lp[b];
       for (int64_t j = 0; j * bs < longest; ++j) {
         const int64_t block = tp[b * max_nb + j];
