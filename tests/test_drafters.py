@@ -32,7 +32,7 @@ from lab.spec.cascade import CascadeProposer, CascadeProposerConfig
 from lab.spec.dflash import DFlashProposer, DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig, LayerSkipProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.spec.feature_proposer import ConfidenceGate, resolve_draft_weights
+from lab.spec.feature_proposer import ConfidenceGate, resolve_draft_weights, resolve_head_weights
 from lab.spec.suffix import SuffixProposerConfig
 from lab.spec.tree import ROOT
 from lab.training import data as training_data
@@ -871,27 +871,40 @@ def test_a_draft_vocabulary_keeps_speculation_lossless(trained: dict, kind: str,
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
-def test_drafters_on_q8_0_weights_stay_lossless(trained: dict, kind: str, tiny_runner: ModelRunner) -> None:
-    """engine.proposer.weights=q8_0: the drafter's linears stream its weights rounded to Q8_0 blocks (the draft
-    head's: the target's head, here not made of blocks, rounded too); drafts may change, the output may not."""
+@pytest.mark.parametrize("weights,head_weights", [("q8_0", "auto"), ("q8_0", "q4_1"), ("q4_1", "q4_1")])
+def test_drafters_on_quantized_blocks_stay_lossless(trained: dict, kind: str, weights: str, head_weights: str,
+                                                    tiny_runner: ModelRunner) -> None:
+    """engine.proposer.weights=q8_0 / q4_1: the drafter's linears stream its weights rounded to those blocks, and
+    head_weights the draft head's (the target's head, here not made of blocks, rounded too; auto: as the drafter's);
+    drafts may change, the output may not."""
     prompts = _prompts(16, seed=3)[8:14]
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     config = _proposer_with_vocab(kind, trained[kind][0], 96)
-    config.weights = "q8_0"
+    config.weights, config.head_weights = weights, head_weights
     engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3,
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
-    linears = [m for m in [*engine.proposer.drafter.modules(), engine.proposer.draft_head] if isinstance(m, PackedLinear)]
+    linears = [m for m in engine.proposer.drafter.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.fresh_blocks() is not None and m.half_weight is None for m in linears)
+    block_dtype = {"q8_0": torch.int8, "q4_1": torch.uint8}
+    assert {m.fresh_blocks().dtype for m in linears} == {block_dtype[weights]}
+    head = engine.proposer.draft_head.fresh_blocks()
+    assert head is not None and head.dtype == block_dtype[weights if head_weights == "auto" else head_weights]
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
     assert engine.stats()["spec_decode_accepted_tokens"] > 0
 
 
 def test_draft_weights_resolve_from_the_target_and_refuse_unknown_kinds(trained: dict, tiny_runner: ModelRunner) -> None:
     assert resolve_draft_weights("auto", tiny_runner) == "fp16"     # NOTE: the tiny target is not on AMX tiles
-    assert [resolve_draft_weights(w, tiny_runner) for w in ("fp32", "fp16", "q8_0")] == ["fp32", "fp16", "q8_0"]
+    kinds = ("fp32", "fp16", "q8_0", "q4_1")
+    assert [resolve_draft_weights(w, tiny_runner) for w in kinds] == list(kinds)
+    assert resolve_head_weights("auto", "q8_0") == "q8_0", "auto: the head streams as the drafter"
+    assert [resolve_head_weights(w, "fp16") for w in kinds] == list(kinds)
     config = _proposer("dflash", trained["dflash"][0])
     config.weights = "int4"
     with pytest.raises(LabError, match="engine.proposer.weights='int4'"):
+        config.build(tiny_runner, PagedKVCacheManager(64, 4))
+    config.weights, config.head_weights = "auto", "int4"
+    with pytest.raises(LabError, match="engine.proposer.head_weights='int4'"):
         config.build(tiny_runner, PagedKVCacheManager(64, 4))
 
 

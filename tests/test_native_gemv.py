@@ -19,7 +19,7 @@ from lab.engines.ar import AREngine
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
 from lab.models import native_gemv, weight_blocks
 from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights,
-                                       project_rows, use_half_weights, use_q8_0_weights)
+                                       project_rows, use_draft_blocks, use_half_weights)
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import load_experiment, make_requests
@@ -172,10 +172,10 @@ def test_project_rows_streams_part_of_the_fp16_copy() -> None:
 
 @needs_kernel
 def test_q8_0_weights_serve_few_rows_rounded_and_keep_exact_blocks_exact(count_gemv: list[int]) -> None:
-    """use_q8_0_weights (drafters): a weight that is not made of blocks streams its Q8_0 rounding, one that is keeps
+    """use_draft_blocks (drafters): a weight that is not made of blocks streams its Q8_0 rounding, one that is keeps
     its own blocks (lossless); more rows, a stale copy or an input dim off the 32-grid take the live fp32 weight."""
     layer = _packed_layer(out_features=48, in_features=64)
-    assert use_q8_0_weights(torch.nn.Sequential(layer)) == 1 and layer.blocks.dtype == torch.int8
+    assert use_draft_blocks(torch.nn.Sequential(layer)) == 1 and layer.blocks.dtype == torch.int8
     assert layer.half_weight is None
     rounded = weight_blocks.round_to_q8_0(layer.weight)
     assert torch.equal(weight_blocks.unpack(layer.blocks), rounded)
@@ -192,13 +192,34 @@ def test_q8_0_weights_serve_few_rows_rounded_and_keep_exact_blocks_exact(count_g
     exact = _packed_layer(out_features=48, in_features=64)
     with torch.no_grad():
         exact.weight.copy_(weight_blocks.round_to_q4_1(exact.weight))
-    use_q8_0_weights(torch.nn.Sequential(exact))
+    use_draft_blocks(torch.nn.Sequential(exact))
     assert exact.blocks.dtype == torch.uint8, "a weight made of Q4_1 blocks streams them, not a rounding"
     with torch.inference_mode():
         x = torch.randn(2, exact.in_features)
         assert torch.equal(exact(x), native_gemv.gemv(x, exact.weight, exact.bias))
-    assert use_q8_0_weights(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
+    assert use_draft_blocks(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
     assert weight_blocks.quantize_q8_0(torch.randn(4, 24)) is None
+
+
+@needs_kernel
+def test_q4_1_draft_blocks_round_a_q8_0_head_and_keep_q4_1_blocks_exact() -> None:
+    """use_draft_blocks(fmt="q4_1") (a draft head): a weight made of Q8_0 blocks (the target's head) streams its Q4_1
+    rounding, llama.cpp's (round_to_q4_1); one made of Q4_1 blocks keeps its own (lossless); few rows read them."""
+    head = _packed_layer(out_features=48, in_features=64, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight_blocks.round_to_q8_0(head.weight))
+    assert use_draft_blocks(torch.nn.Sequential(head), "q4_1") == 1 and head.blocks.dtype == torch.uint8
+    rounded = weight_blocks.round_to_q4_1(head.weight)
+    assert torch.equal(weight_blocks.unpack(head.blocks), rounded) and not torch.equal(rounded, head.weight)
+    with torch.inference_mode():
+        x = torch.randn(4, head.in_features)
+        torch.testing.assert_close(head(x), F.linear(x, rounded), atol=1e-5, rtol=1e-5)
+    exact = _packed_layer(out_features=48, in_features=64, bias=False)
+    with torch.no_grad():
+        exact.weight.copy_(weight_blocks.round_to_q4_1(exact.weight))
+    use_draft_blocks(torch.nn.Sequential(exact), "q4_1")
+    assert torch.equal(weight_blocks.unpack(exact.blocks), exact.weight), "Q4_1 blocks are kept as they are"
+    assert weight_blocks.quantize_q4_1(torch.randn(4, 24)) is None
 
 
 def _packed_layer(out_features: int = 37, in_features: int = 29, bias: bool = True) -> PackedLinear:

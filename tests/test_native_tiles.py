@@ -116,19 +116,23 @@ def test_engines_on_tiles_equal_hf_greedy_and_speculation_stays_lossless(tile_ru
 @needs_amx
 def test_drafters_on_a_tile_target_stream_q8_0_tiles_and_stay_lossless(tile_runner: ModelRunner) -> None:
     """engine.proposer.weights=auto on a target on tiles: the drafter's linears stream Q8_0 tiles of their weights
-    (rounded), the draft head the target's own head tiles (exact); project_rows reads whole 16-row groups of them."""
+    (rounded), the draft head (head_weights=auto) the target's own head tiles (exact), or with head_weights=q4_1
+    Q4_1 tiles of them rounded; project_rows reads whole 16-row groups of them."""
     generator = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (7, 21)]
     expected = [r.output_token_ids for r in AREngine(tile_runner).run(make_requests(prompts, 16, ignore_eos=True)).requests]
-    config = DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, draft_vocab_size=128)
-    engine = SpeculativeEngine(tile_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=2),
-                               kv_cache=KV)
-    head = engine.proposer.draft_head
-    assert native_tiles.is_tiles(head.blocks) and torch.equal(native_tiles.unpack(head.blocks),
-                                                              tile_runner.model.lm_head.weight[:128])
-    linears = [m for m in engine.proposer.drafter.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(native_tiles.is_tiles(m.blocks) and m.block_max_rows == GEMV_MAX_ROWS for m in linears)
-    assert [r.output_token_ids for r in engine.run(make_requests(prompts, 16, ignore_eos=True)).requests] == expected
+    target_rows = tile_runner.model.lm_head.weight[:128]
+    for head_weights, head_values in (("auto", target_rows), ("q4_1", weight_blocks.round_to_q4_1(target_rows))):
+        config = DFlashProposerConfig(checkpoint=None, drafter={"block_size": 4}, draft_vocab_size=128,
+                                      head_weights=head_weights)
+        engine = SpeculativeEngine(tile_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=2),
+                                   kv_cache=KV)
+        head = engine.proposer.draft_head
+        assert native_tiles.is_tiles(head.blocks) and torch.equal(native_tiles.unpack(head.blocks), head_values)
+        linears = [m for m in engine.proposer.drafter.modules() if isinstance(m, PackedLinear)]
+        assert linears and all(native_tiles.is_tiles(m.blocks) and m.block_max_rows == GEMV_MAX_ROWS for m in linears)
+        outputs = engine.run(make_requests(prompts, 16, ignore_eos=True)).requests
+        assert [r.output_token_ids for r in outputs] == expected
     qkv = engine.proposer.drafter.layers[0].qkv_proj
     rounded = weight_blocks.round_to_q8_0(qkv.weight)
     x = torch.randn(1, 5, qkv.in_features)

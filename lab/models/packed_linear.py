@@ -128,7 +128,7 @@ class PackedLinear(nn.Linear):
 
 def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
     """x (..., in) -> x @ linear.weight[rows].T (..., rows), no bias: part of a fused projection (a drafter's K and V
-    without Q). Few rows stream that part of the blocks (use_q8_0_weights) or of the fp16 copy (use_half_weights)
+    without Q). Few rows stream that part of the blocks (use_draft_blocks) or of the fp16 copy (use_half_weights)
     where the native kernel runs."""
     if isinstance(linear, PackedLinear):
         blocks = linear.fresh_blocks()
@@ -209,20 +209,26 @@ def use_block_weights(model: nn.Module, tiles: bool = False) -> tuple[int, int]:
     return given, total
 
 
-def use_q8_0_weights(model: nn.Module, tiles: bool = False) -> int:
-    """Give every PackedLinear of `model` Q8_0 blocks for its few-row calls (in AMX tile order with `tiles`, where
-    the output rows are a multiple of 16): the weight's own blocks where it is exactly GGUF block values (a head
-    shared with the target: lossless), else the weight rounded to Q8_0 (weight_blocks.quantize_q8_0: lossy, so
-    only for drafters, whose every draft the target verifies). 1.06 bytes a weight against fp16's 2, and on tiles
-    up to GEMV_MAX_ROWS rows (a drafter's block) for about the price of one. Returns how many."""
+def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", tiles: bool = False) -> int:
+    """Give every PackedLinear of `model` GGUF blocks of `fmt` for its few-row calls (in AMX tile order with `tiles`,
+    where the output rows are a multiple of 16): the weight's own blocks where it is exactly GGUF block values of
+    `fmt` or of a smaller one (a head shared with the target: lossless), else the weight rounded to `fmt`
+    (weight_blocks.quantize_q8_0 / quantize_q4_1: lossy, so only for drafters, whose every draft the target
+    verifies; a target's Q8_0 head becomes a Q4_1 draft head). Q8_0 is 1.06 bytes a weight against fp16's 2, Q4_1
+    0.625 (0.75 on the AVX blocks), and on tiles up to GEMV_MAX_ROWS rows (a drafter's block) cost about one.
+    Returns how many."""
+    rounding = {"q8_0": weight_blocks.quantize_q8_0, "q4_1": weight_blocks.quantize_q4_1}[fmt]
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if type(module) is not PackedLinear:
                 continue
             blocks = _exact_blocks(module.weight)
+            size = weight_blocks.block_bytes
+            if blocks is not None and size(weight_blocks.block_format(blocks)) > size(fmt):
+                blocks = None   # NOTE: exact, but in a larger format than asked for: rounded to `fmt` below
             if blocks is None and _is_cpu_fp32(module.weight):
-                blocks = weight_blocks.quantize_q8_0(module.weight)
+                blocks = rounding(module.weight)
             if blocks is None:
                 continue
             module.block_max_rows = GEMV_MAX_ROWS if _give_blocks(module, blocks, tiles) else BLOCK_MAX_ROWS

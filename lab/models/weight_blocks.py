@@ -13,7 +13,8 @@ did. The products and sums then run in the fp32 GEMV's order: logits are bit-ide
 A target's weights are never quantized here: `find_blocks` recovers the blocks a weight already is, and returns
 None when any block of it is not exactly such values (a random-init or bf16-trained model), which then stays fp32.
 `round_to_q4_1` / `round_to_q8_0` do quantize, llama.cpp's way, for tests that need a model made of blocks, and
-`quantize_q8_0` for drafters (packed_linear.use_q8_0_weights), whose every draft the target verifies.
+`quantize_q8_0` / `quantize_q4_1` for drafters (packed_linear.use_draft_blocks), whose every draft the target
+verifies.
 
 Layouts (one row of blocks per output row, the input dim a multiple of 32), as the kernel reads them:
 - Q4_1: uint8 (out, in / 32 * 24): per block d (fp32), m (fp32), 16 bytes whose byte j holds q[j] in its low
@@ -135,16 +136,32 @@ def unpack(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(out, -1)
 
 
-def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (out, in) quantized to Q4_1 the way llama.cpp does (d = (max - min) / 15, d and min stored fp16)
-    and dequantized back to fp32: a weight made of blocks. Lossy: for building test models."""
+def _q4_1_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` (out, in) -> Q4_1's d, m (out, nb, 1; fp16 values in fp32) and q (out, nb, 32; integral in fp32),
+    llama.cpp's rounding: d = (max - min) / 15 and m = min stored fp16, q = round((w - min) / d) in 0..15."""
     out, inn = weight.shape
     blocks = weight.detach().to(torch.float32).reshape(out, inn // BLOCK, BLOCK)
     low = blocks.amin(-1, keepdim=True)
     d = ((blocks.amax(-1, keepdim=True) - low) / 15).to(torch.float16).to(torch.float32)
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = ((blocks - low) * inv).round().clamp(0, 15)
-    return (d * q + low.to(torch.float16).to(torch.float32)).reshape(out, inn)
+    return d, low.to(torch.float16).to(torch.float32), q
+
+
+def round_to_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) quantized to Q4_1 the way llama.cpp does (d = (max - min) / 15, d and min stored fp16)
+    and dequantized back to fp32: a weight made of blocks. Lossy: for building test models."""
+    d, m, q = _q4_1_parts(weight)
+    return (d * q + m).reshape(weight.shape)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` (out, in) rounded to Q4_1 as `round_to_q4_1` does, as packed blocks, or None where the input dim is
+    not a multiple of 32. Lossy (half a step of 1/15 of a block's range): for a drafter's head, whose every draft
+    the target verifies (packed_linear.use_draft_blocks)."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    return pack(*_q4_1_parts(weight.detach().to("cpu")), "q4_1")
 
 
 def _q8_0_parts(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.dflash_graphs import DFlashBlockGraphs
 from lab.spec.feature_proposer import (MAX_TREE_WIDTH, ConfidenceGate, DraftWeights, FeatureProposer, build_drafter,
-                                       resolve_draft_weights)
+                                       resolve_draft_weights, resolve_head_weights)
 from lab.spec.proposer import Draft
 from lab.spec.tree import Candidates, Paths, Redrafts, grow_redrafts, marginal_tree, with_siblings
 
@@ -107,11 +107,11 @@ class _ContextKV:
 
 class DFlashProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: DFlashDrafter, kv: KVCacheManager, draft_vocab_size: int = 0,
-                 weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
+                 head_weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
                  lookahead_masks: int | None = None, tree_width: int = 1, tree_min_prob: float = 0.0,
                  tree_tails: bool = False, denoise_steps: int = 1, tree_nodes: int = 0,
                  tree_redraft: int = 0, tree_redraft_levels: int = 1) -> None:
-        super().__init__(target, drafter, kv, draft_vocab_size, weights, gate, tree_width, tree_min_prob)
+        super().__init__(target, drafter, kv, draft_vocab_size, head_weights, gate, tree_width, tree_min_prob)
         _check_tree_nodes(tree_nodes, tree_width, tree_tails, denoise_steps, tree_redraft, tree_redraft_levels,
                           drafter.config.max_fill)
         most = drafter.config.max_fill + 1
@@ -373,8 +373,9 @@ class DFlashProposer(FeatureProposer):
 class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
-    first N token ids only (0: all); weights: what few-row products stream (auto, fp32, fp16, q8_0;
-    feature_proposer.resolve_draft_weights);
+    first N token ids only (0: all); weights: what the drafter's few-row products stream (auto, fp32, fp16, q8_0,
+    q4_1; feature_proposer.resolve_draft_weights); head_weights: what the draft head's stream (auto: as weights;
+    resolve_head_weights);
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);
     lookahead_masks: run a block of the last token + k + lookahead_masks masks, not the trained block (null);
@@ -397,6 +398,7 @@ class DFlashProposerConfig:
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
     weights: str = "auto"
+    head_weights: str = "auto"
     min_confidence: float = 0.0
     always_draft: int = 0
     lookahead_masks: int | None = None
@@ -437,7 +439,8 @@ class DFlashProposerConfig:
                 fresh = DFlashDrafter(target.config, config, target.source.hf_config)
         weights = resolve_draft_weights(self.weights, target)
         drafter = build_drafter("dflash", target, self.checkpoint, fresh, weights)
-        return DFlashProposer(target, drafter, kv, self.draft_vocab_size, weights,
+        return DFlashProposer(target, drafter, kv, self.draft_vocab_size,
+                              resolve_head_weights(self.head_weights, weights),
                               ConfidenceGate(self.min_confidence, self.always_draft), self.lookahead_masks,
                               self.tree_width, self.tree_min_prob, self.tree_tails, self.denoise_steps,
                               self.tree_nodes, self.tree_redraft, self.tree_redraft_levels)

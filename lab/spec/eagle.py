@@ -28,16 +28,16 @@ from lab.request import Request
 from lab.runner import ModelRunner
 from lab.spec.draft_kv import DraftKV
 from lab.spec.feature_proposer import (ConfidenceGate, DraftWeights, FeatureProposer, build_drafter,
-                                       resolve_draft_weights)
+                                       resolve_draft_weights, resolve_head_weights)
 from lab.spec.proposer import Draft
 from lab.spec.tree import ROOT, DraftTree
 
 
 class EagleProposer(FeatureProposer):
     def __init__(self, target: ModelRunner, drafter: EagleDrafter, target_kv: KVCacheManager,
-                 draft_vocab_size: int = 0, weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
+                 draft_vocab_size: int = 0, head_weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None,
                  tree_width: int = 1, tree_min_prob: float = 0.0) -> None:
-        super().__init__(target, drafter, target_kv, draft_vocab_size, weights, gate, tree_width, tree_min_prob)
+        super().__init__(target, drafter, target_kv, draft_vocab_size, head_weights, gate, tree_width, tree_min_prob)
         c, num_blocks, block_size = target.config, target_kv.num_blocks, target_kv.block_size
         # NOTE: the head's own KV (one layer), as many blocks as the target's; the native paged kernel for its
         # few-token steps (as the target's decode), SDPA otherwise.
@@ -193,8 +193,9 @@ class EagleProposer(FeatureProposer):
 @dataclass(slots=True)
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
-    draft_vocab_size: draft logits for the first N token ids only (0: all); weights: what the head's few-row
-    products stream (auto, fp32, fp16, q8_0; feature_proposer.resolve_draft_weights); min_confidence, always_draft:
+    draft_vocab_size: draft logits for the first N token ids only (0: all); weights: what the drafter's few-row
+    products stream (auto, fp32, fp16, q8_0, q4_1; feature_proposer.resolve_draft_weights); head_weights: what the
+    draft head's stream (auto: as weights; resolve_head_weights); min_confidence, always_draft:
     the ConfidenceGate (draft while the product of the head's confidences stays >= min_confidence, the first
     always_draft positions regardless; lab/spec/feature_proposer.py);
     tree_width: draft a beam of at most tree_width nodes a depth, not only the chain (a tree; 1: a chain), a node
@@ -204,6 +205,7 @@ class EagleProposerConfig:
     seed: int = 0
     draft_vocab_size: int = 8192
     weights: str = "auto"
+    head_weights: str = "auto"
     min_confidence: float = 0.0
     always_draft: int = 0
     tree_width: int = 1
@@ -223,6 +225,7 @@ class EagleProposerConfig:
                 fresh = EagleDrafter(target.config, EagleConfig(), target.source.hf_config)
         weights = resolve_draft_weights(self.weights, target)
         drafter = build_drafter("eagle", target, self.checkpoint, fresh, weights)
-        return EagleProposer(target, drafter, kv, self.draft_vocab_size, weights,
+        return EagleProposer(target, drafter, kv, self.draft_vocab_size,
+                             resolve_head_weights(self.head_weights, weights),
                              ConfidenceGate(self.min_confidence, self.always_draft), self.tree_width,
                              self.tree_min_prob)

@@ -15,8 +15,9 @@ At batch 1 a drafter step is a few matrix-vector products whose cost is the byte
 (resolve_draft_weights): `fp16` copies (fp32 arithmetic; the checkpoint is stored in fp16, so the drafter's own
 weights lose nothing; the head's logits move by ~1e-3 of their spread), or `q8_0` blocks (1.06 bytes a weight:
 the head's are the target's own Q8_0 blocks, exact; the drafter's are its fp16 weights rounded to Q8_0, ~0.2 %
-of a block's largest weight), which on AMX tiles serve a drafter's whole block for about the price of one row.
-Either can only change which token is drafted, never the output.
+of a block's largest weight), which on AMX tiles serve a drafter's whole block for about the price of one row, or
+`q4_1` blocks (0.625 bytes a weight). The draft head streams as the drafter unless `head_weights` says otherwise
+(resolve_head_weights). Any of them can only change which token is drafted, never the output.
 
 A ConfidenceGate (`min_confidence`, `always_draft`) drafts only while the product of the drafter's confidences
 (its distribution's largest probability at each position) stays at or above it, as suffix decoding does with
@@ -38,7 +39,7 @@ from torch import nn
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
-from lab.models.packed_linear import can_pack, pack_linear_weights, use_half_weights, use_q8_0_weights
+from lab.models.packed_linear import can_pack, pack_linear_weights, use_draft_blocks, use_half_weights
 from lab.request import Request, SamplingParams
 from lab.sample.sampler import argmax_rows
 from lab.runner import ModelRunner
@@ -46,8 +47,8 @@ from lab.spec.features import FeatureStore
 from lab.spec.proposer import pick_draft_tokens
 
 MAX_TREE_WIDTH = 8   # NOTE: candidates a tree node may have; the engine checks the whole tree's size
-DraftWeights = Literal["auto", "fp32", "fp16", "q8_0"]
-DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("auto", "fp32", "fp16", "q8_0")
+DraftWeights = Literal["auto", "fp32", "fp16", "q8_0", "q4_1"]
+DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("auto", "fp32", "fp16", "q8_0", "q4_1")
 
 
 def resolve_draft_weights(weights: str, target: ModelRunner) -> DraftWeights:
@@ -55,11 +56,22 @@ def resolve_draft_weights(weights: str, target: ModelRunner) -> DraftWeights:
     blocks run on AMX tiles (model.block_kernel; a drafter's block of rows then costs about one), else `fp16`."""
     if weights not in DRAFT_WEIGHTS:
         raise LabError(f"engine.proposer.weights={weights!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
-                       "use engine.proposer.weights=auto (Q8_0 blocks on AMX tiles, else fp16 copies), fp32, fp16 "
-                       "or q8_0")
+                       "use engine.proposer.weights=auto (Q8_0 blocks on AMX tiles, else fp16 copies), fp32, fp16, "
+                       "q8_0 or q4_1")
     if weights == "auto":
         return "q8_0" if _target_on_tiles(target) else "fp16"
     return weights
+
+
+def resolve_head_weights(head_weights: str, weights: DraftWeights) -> DraftWeights:
+    """engine.proposer.head_weights -> what the draft head's few-row products stream (the target's head cut to the
+    draft vocabulary): `auto` is the drafter's own `weights` (resolved; q8_0 streams the target's own Q8_0 head
+    blocks, exact). `q4_1` rounds them to Q4_1 (59 % of the bytes): session 41 measured a DFlash draft 3-18 % faster
+    and tau 0.01-0.02 lower, no net speedup within run-to-run noise (docs/speculative.md)."""
+    if head_weights not in DRAFT_WEIGHTS:
+        raise LabError(f"engine.proposer.head_weights={head_weights!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
+                       "use engine.proposer.head_weights=auto (as engine.proposer.weights), fp32, fp16, q8_0 or q4_1")
+    return weights if head_weights == "auto" else head_weights
 
 
 def _target_on_tiles(target: ModelRunner) -> bool:
@@ -71,8 +83,8 @@ def _stream_draft_weights(module: nn.Module, target: ModelRunner, weights: Draft
     own weights)."""
     if weights == "fp16":
         use_half_weights(module)
-    elif weights == "q8_0":
-        use_q8_0_weights(module, tiles=_target_on_tiles(target))
+    elif weights in ("q8_0", "q4_1"):
+        use_draft_blocks(module, weights, tiles=_target_on_tiles(target))
 
 
 def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
@@ -96,8 +108,8 @@ def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh:
 
 def draft_head(target: ModelRunner, draft_vocab_size: int, weights: DraftWeights = "fp32") -> nn.Linear | None:
     """The target's LM head over its first `draft_vocab_size` token ids, sharing the weight (a view of its
-    first rows; `weights`: what the GEMV streams, resolve_draft_weights); None for the whole vocabulary (0, or
-    >= the vocabulary)."""
+    first rows; `weights`: what the GEMV streams, resolve_head_weights); None for the whole vocabulary (0, or
+    >= the vocabulary: the target's own head, as the target streams it)."""
     vocab = target.config.vocab_size
     if draft_vocab_size < 0:
         raise LabError(f"engine.proposer.draft_vocab_size must be >= 0 (0: the whole vocabulary), got "
@@ -163,7 +175,7 @@ def confidences(logits: torch.Tensor, probs: list[torch.Tensor | None]) -> list[
 
 class FeatureProposer:
     def __init__(self, target: ModelRunner, drafter: nn.Module, kv: KVCacheManager, draft_vocab_size: int = 0,
-                 weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None, tree_width: int = 1,
+                 head_weights: DraftWeights = "fp32", gate: ConfidenceGate | None = None, tree_width: int = 1,
                  tree_min_prob: float = 0.0) -> None:
         if not 1 <= tree_width <= MAX_TREE_WIDTH:
             raise LabError(f"engine.proposer.tree_width must be 1 (a chain of drafts) to {MAX_TREE_WIDTH}, got "
@@ -177,7 +189,7 @@ class FeatureProposer:
         self.target = target.model
         self.drafter = drafter
         self.vocab_size = target.config.vocab_size
-        self.draft_head = draft_head(target, draft_vocab_size, weights)
+        self.draft_head = draft_head(target, draft_vocab_size, head_weights)
         self.device, self.dtype = target.device, target.dtype
         self.feature_layers = tuple(i % target.config.num_layers for i in drafter.feature_layers)
         # NOTE: in the target's KV blocks (`kv`: its manager), so prefix-cache hits bring their features along
