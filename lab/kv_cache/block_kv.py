@@ -18,6 +18,7 @@ import torch
 
 from lab.kv_cache.block_attention import make_backend
 from lab.kv_cache.tree_mask import NO_HIDDEN, tree_layout
+from lab.models import native_gemv
 from lab.profiling.ranges import profile_range
 
 
@@ -102,6 +103,9 @@ class BlockKVCache:
         bs = self.block_size
         src, dst = (torch.tensor([block_table[p // bs] * bs + p % bs for p in positions], dtype=torch.long,
                                  device=self.device) for positions in (src_positions, dst_positions))
+        if native_gemv.usable(self.k[0]):   # NOTE: one call for every layer's K and V, not two ops a store
+            native_gemv.copy_slots(self.k + self.v, src, dst)
+            return
         flat_shape = (self.num_kv_heads, -1, self.head_dim)
         for store in self.k + self.v:
             flat = store.view(flat_shape)
