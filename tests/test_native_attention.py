@@ -163,14 +163,13 @@ def test_moving_a_path_natively_reads_every_source_before_writing() -> None:
     if load_kernel() is None:
         pytest.skip("the native kernel cannot be built here")
     cache = BlockKVCache(3, 2, 8, num_blocks=6, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
-    for store in cache.k + cache.v:
-        store.copy_(torch.randn(store.shape, generator=torch.Generator().manual_seed(store.numel() + len(store))))
+    for seed, store in enumerate(cache.k + cache.v):
+        store.copy_(torch.randn(store.shape, generator=torch.Generator().manual_seed(seed)))
     expected = [store.clone() for store in cache.k + cache.v]
-    table, src, dst = [4, 1, 3], [5, 2, 9], [2, 7, 3]     # NOTE: slot 2 is written by one move and read by the next
+    table, src, dst = [4, 1, 3], [5, 2, 9], [2, 7, 3]     # NOTE: position 2 is written by one move, read by the next
     slots = [[table[p // 4] * 4 + p % 4 for p in positions] for positions in (src, dst)]
     for store in expected:
         flat = store.view(2, -1, 8)
         flat.index_copy_(1, torch.tensor(slots[1]), flat.index_select(1, torch.tensor(slots[0])))
     cache.move_tokens(table, src, dst)
     assert all(torch.equal(store, want) for store, want in zip(cache.k + cache.v, expected))
-
