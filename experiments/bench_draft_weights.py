@@ -23,12 +23,11 @@ from lab.models import native_gemv, native_tiles, weight_blocks
 
 SMOLLM2_DRAFT = {"draft head 8192x576": (8192, 576), "mlp gate_up 3072x576": (3072, 576),
                  "mlp down 576x1536": (576, 1536), "context fc 576x2880": (576, 2880)}
-ROUNDING = {"q8_0": weight_blocks.round_to_q8_0, "q4_1": weight_blocks.round_to_q4_1}
 
 
 def blocks_of(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """`weight` rounded to `fmt`, as the drafter streams it: AMX tiles where this CPU has them, else AVX blocks."""
-    blocks = weight_blocks.find_blocks(ROUNDING[fmt](weight), fmt)
+    blocks = weight_blocks.quantize(weight, fmt)
     return native_tiles.pack(blocks) if native_tiles.available() else blocks
 
 

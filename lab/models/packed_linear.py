@@ -217,18 +217,17 @@ def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", 
     verifies; a target's Q8_0 head becomes a Q4_1 draft head). Q8_0 is 1.06 bytes a weight against fp16's 2, Q4_1
     0.625 (0.75 on the AVX blocks), and on tiles up to GEMV_MAX_ROWS rows (a drafter's block) cost about one.
     Returns how many."""
-    rounding = {"q8_0": weight_blocks.quantize_q8_0, "q4_1": weight_blocks.quantize_q4_1}[fmt]
+    largest = weight_blocks.block_bytes(fmt)
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if type(module) is not PackedLinear:
                 continue
             blocks = _exact_blocks(module.weight)
-            size = weight_blocks.block_bytes
-            if blocks is not None and size(weight_blocks.block_format(blocks)) > size(fmt):
+            if blocks is not None and weight_blocks.block_bytes(weight_blocks.block_format(blocks)) > largest:
                 blocks = None   # NOTE: exact, but in a larger format than asked for: rounded to `fmt` below
             if blocks is None and _is_cpu_fp32(module.weight):
-                blocks = rounding(module.weight)
+                blocks = weight_blocks.quantize(module.weight, fmt)
             if blocks is None:
                 continue
             module.block_max_rows = GEMV_MAX_ROWS if _give_blocks(module, blocks, tiles) else BLOCK_MAX_ROWS

@@ -189,3 +189,8 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     d, q = _q8_0_parts(weight.detach().to("cpu"))
     return pack(d, torch.zeros_like(d), q, "q8_0")
+
+
+def quantize(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
+    """`weight` (out, in) rounded to `fmt` as packed blocks (quantize_q4_1 / quantize_q8_0), or None off the 32-grid."""
+    return quantize_q4_1(weight) if fmt == "q4_1" else quantize_q8_0(weight)
