@@ -34,6 +34,13 @@ engine/proposer=suffix_dflash_tree drafts it, the answers taken as the engine's 
         --sequences 32 --max-new-tokens 256 --walk 7 --tree-nodes 62 --tree-redraft 4 --tree-redraft-levels 3 \
         --graft-suffix 0.1
 
+`--suffix-history N` first gives that suffix decoding the target's answers to N other prompts (of `--prompts`' set,
+or of `--suffix-history-prompts`), as if the engine had served them before (its global table keeps the last
+`max_cached_requests`, 256); `--suffix-global-min-n M` lets other requests answer only suffixes of M+ tokens:
+
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill.pt --prompts gsm8k --sequences 32 \
+        --walk 7 --tree-nodes 4 --graft-suffix 0.1 --suffix-history 0 100 400
+
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
 (`--max-new-tokens` each, generated once and cached beside the training data): the prompts the engine is
 measured on, which the held-out ShareGPT answers need not resemble.
@@ -77,13 +84,28 @@ def evaluation_answers(runner: ModelRunner, feature_layers: tuple[int, ...], cac
     return sequences, target_features(runner, sequences, feature_layers)
 
 
+def history_answers(runner: ModelRunner, cache_dir: Path, prompts: str, count: int, max_new_tokens: int,
+                    answers: list[Sequence]) -> list[Sequence]:
+    """The target's greedy answers to the first `count` prompts of the set that are not among `answers`' prompts
+    (the earlier traffic a suffix table may have seen; generated once and cached)."""
+    if count == 0:
+        return []
+    asked = {tuple(a.token_ids[:a.prompt_len]) for a in answers}
+    config = DataConfig(dataset=prompts, num_prompts=count + len(answers), max_new_tokens=max_new_tokens)
+    others = [s for s in generate_responses(runner, config, cache_dir) if tuple(s.token_ids[:s.prompt_len]) not in asked]
+    return others[:count]
+
+
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,
                   max_new_tokens: int = 64, walk_ks: tuple[int, ...] = (), denoise_steps: int = 1,
                   tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0, tree_redraft_levels: int = 1,
-                  graft_suffix: float | None = None) -> dict[str, dict[str, float]]:
+                  graft_suffix: float | None = None, suffix_history: tuple[int, ...] = (0,),
+                  suffix_history_prompts: str | None = None,
+                  suffix_global_min_n: int = 1) -> dict[str, dict[str, float]]:
     """checkpoint -> metrics averaged over `num_sequences` answers (the same anchors for every checkpoint: the
     recipe's `evaluate`, with per-offset metrics), and for each k of `walk_ks` `walk_tau_<k>` / `every_tau_<k>`
-    (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`)."""
+    (walk_table; also `walk_tau_<k>, tree of <N>` for N in `tree_nodes`, and with `graft_suffix` the grafted walks
+    once for each count of `suffix_history`: suffix decoding given that many other answers first)."""
     cache_dir = default_cache_dir() / "train" / target_fingerprint(runner.model)
     data: dict[tuple[int, ...], tuple[list, list]] = {}   # feature layers -> the answers and their features
     results = {}
@@ -100,10 +122,15 @@ def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anc
             raise SystemExit(f"{path}: --tree-redraft drafts with offsets 1..{tree_redraft_levels} given, but this "
                              f"drafter was trained with at most {drafter.config.max_fill} (max_fill); walk it with "
                              "fewer --tree-redraft-levels, or without --tree-redraft")
-        for name, (walked, every) in walk_table(runner, drafter, data[drafter.feature_layers], list(walk_ks),
-                                                steps, tree_nodes, tree_redraft, tree_redraft_levels,
-                                                graft_suffix).items():
-            results[path] |= {f"walk_tau_{name}": walked, f"every_tau_{name}": every}
+        answers = data[drafter.feature_layers]
+        history_set = suffix_history_prompts or prompts or "sharegpt"
+        for count in suffix_history if graft_suffix is not None else (0,):
+            history = history_answers(runner, cache_dir, history_set, count, max_new_tokens, answers[0])
+            label = f", {count} {history_set} answers before" if count else ""
+            for name, (walked, every) in walk_table(runner, drafter, answers, list(walk_ks),
+                                                    steps, tree_nodes, tree_redraft, tree_redraft_levels,
+                                                    graft_suffix, history, suffix_global_min_n).items():
+                results[path] |= {f"walk_tau_{name}{label}": walked, f"every_tau_{name}{label}": every}
     return results
 
 
@@ -216,7 +243,8 @@ def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Ba
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
                ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0,
-               tree_redraft_levels: int = 1, graft_suffix: float | None = None) -> dict[str, tuple[float, float]]:
+               tree_redraft_levels: int = 1, graft_suffix: float | None = None, history: list[Sequence] = (),
+               global_min_n: int = 1) -> dict[str, tuple[float, float]]:
     """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
     position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
     with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
@@ -225,19 +253,26 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
     `tree_redraft_levels` L its later offsets under its W likeliest 2-token paths, ... L-token paths). With
     `graft_suffix` (suffix decoding's min_confidence) also "k, tree of N, suffix grafted": suffix decoding's chain
     grafted onto each tree (engine/proposer=suffix_dflash_tree), the answers taken in order as the engine's
-    requests one at a time, each joining the suffix tables when done."""
+    requests one at a time, each joining the suffix tables when done, after the `history` answers (suffix decoding
+    answering from other requests only suffixes of `global_min_n`+ tokens)."""
     drafter.eval()
     redrafted = f", redrafted under {tree_redraft}" if tree_redraft else ""
     redrafted += f" x {tree_redraft_levels} levels" if tree_redraft and tree_redraft_levels > 1 else ""
-    names = [(str(k), k, 0, False) for k in ks]
-    for graft in (False, True) if graft_suffix is not None else (False,):
+    # NOTE: with a history only the grafted walks change, so only they are walked
+    names = [] if history else [(str(k), k, 0, False) for k in ks]
+    for graft in (True,) if history else (False, True) if graft_suffix is not None else (False,):
         names += [(f"{k}, tree of {n}{redrafted}{', suffix grafted' if graft else ''}", k, n, graft)
                   for k in ks for n in tree_nodes]
     drafts, accepted = {name: 0 for name, *_ in names}, {name: 0 for name, *_ in names}
     every: dict[str, list[int]] = {name: [] for name, *_ in names}
     # NOTE: per grafted walk, suffix decoding for the walk's positions and for every position
-    suffix = {name: (SuffixProposer(min_confidence=graft_suffix), SuffixProposer(min_confidence=graft_suffix))
+    suffix = {name: (SuffixProposer(min_confidence=graft_suffix, global_min_n=global_min_n),
+                     SuffixProposer(min_confidence=graft_suffix, global_min_n=global_min_n))
               for name, _, _, graft in names if graft}
+    for walked_and_every in suffix.values():
+        for proposer in walked_and_every:
+            for sequence in history:
+                proposer.remember(list(sequence.token_ids))
     for number, (sequence, features) in enumerate(zip(*answers)):
         batch: Batch = make_batch([sequence], [features], max_len=len(sequence.token_ids))
         anchors = torch.arange(sequence.prompt_len, len(sequence.token_ids) - 1)[None]   # (1, M): every answer token
@@ -306,12 +341,21 @@ def main() -> None:
     parser.add_argument("--graft-suffix", type=float, default=None, metavar="MIN_CONFIDENCE",
                         help="with --tree-nodes: also walk each tree with suffix decoding's chain grafted on "
                              "(engine/proposer=suffix_dflash_tree), suffix decoding at this min_confidence")
+    parser.add_argument("--suffix-history", type=int, nargs="*", default=[0], metavar="N",
+                        help="with --graft-suffix: walk the grafted trees again for each N, suffix decoding first "
+                             "given the target's answers to N other prompts (as if served before)")
+    parser.add_argument("--suffix-history-prompts", default=None, choices=sorted(DATASETS),
+                        help="with --suffix-history: the set those prompts come from (default: --prompts')")
+    parser.add_argument("--suffix-global-min-n", type=int, default=1, metavar="M",
+                        help="with --graft-suffix: other requests answer only suffixes of M+ tokens "
+                             "(engine.proposer.primary.global_min_n)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
                             tuple(args.walk), args.denoise_steps, tuple(args.tree_nodes), args.tree_redraft,
-                            args.tree_redraft_levels, args.graft_suffix)
+                            args.tree_redraft_levels, args.graft_suffix, tuple(args.suffix_history),
+                            args.suffix_history_prompts, args.suffix_global_min_n)
     names = list(results)
     columns = ("top1_at", "top2_at", "top4_at", "run_at_least")
     print("| offset j | " + " | ".join(f"top-1 {i} | top-2 {i} | top-4 {i} | run >= j {i}"

@@ -978,6 +978,11 @@ def test_suffix_chains_grafted_onto_dflash_trees_are_lossless_and_walk_as_offlin
                                                               tree_nodes=(12,), graft_suffix=0.1)
         assert walked["3, tree of 12, suffix grafted"][0] == pytest.approx(tau[True])
         assert walked["3, tree of 12"][0] == pytest.approx(tau[False])
+        # NOTE: the same answers served before (--suffix-history): suffix decoding knows every continuation
+        seeded = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                              tree_nodes=(12,), graft_suffix=0.1, history=answers)
+        assert list(seeded) == ["3, tree of 12, suffix grafted"]
+        assert seeded["3, tree of 12, suffix grafted"][0] > tau[True]
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4])

@@ -45,6 +45,18 @@ def test_finished_requests_teach_later_ones_and_the_oldest_leave_first() -> None
     assert proposer.stats()["spec/suffix_cached_requests"] == 1
 
 
+def test_remembered_tokens_teach_like_a_finished_request_and_share_its_window() -> None:
+    proposer = SuffixProposer(max_n=3, min_confidence=0.1, max_cached_requests=1)
+    proposer.remember([10, 11, 12, 13, 14])   # NOTE: an answer served before this proposer's requests
+    assert proposer.propose_one(request("a", [99, 10, 11]), 3) == [12, 13, 14]
+    proposer.remember([20, 21, 22])
+    assert proposer.propose_one(request("b", [98, 10, 11]), 3) == [], "the older remembered answer did not leave"
+    assert proposer.propose_one(request("c", [97, 20]), 2) == [21, 22]
+    no_history = SuffixProposer(max_cached_requests=0)
+    no_history.remember([1, 2, 3])
+    assert no_history.global_table.counts == {}, "max_cached_requests=0 kept a remembered answer"
+
+
 def test_reset_history_forgets_finished_requests() -> None:
     proposer = SuffixProposer(max_n=3, min_confidence=0.3)
     proposer.propose_one(request("a", [10, 11, 12, 13]), 2)

@@ -81,9 +81,13 @@ class SuffixProposer:
         """The request is done: its tokens join the global table (the oldest cached request leaves)."""
         entry = self._local.pop(request_id, None)
         self._indexed.pop(request_id, None)
-        if entry is None or self.max_cached_requests == 0:
+        if entry is not None:
+            self.remember(list(entry[1].all_token_ids))
+
+    def remember(self, token_ids: list[int]) -> None:
+        """A finished request's tokens (prompt and output) join the global table; the oldest cached one leaves."""
+        if self.max_cached_requests == 0:
             return
-        token_ids = list(entry[1].all_token_ids)
         self.global_table.add(token_ids)
         self._cached.append(token_ids)
         while len(self._cached) > self.max_cached_requests:
