@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.steps < 4:
+        parser.error(f"--steps {args.steps}: needs at least 4 (the first 2 are untimed, and a mean needs 2 more)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train: no CUDA here; use --device cpu")
     if args.threads:

@@ -92,8 +92,8 @@ def history_answers(runner: ModelRunner, cache_dir: Path, prompts: str, count: i
         return []
     asked = {tuple(a.token_ids[:a.prompt_len]) for a in answers}
     config = DataConfig(dataset=prompts, num_prompts=count + len(answers), max_new_tokens=max_new_tokens)
-    others = [s for s in generate_responses(runner, config, cache_dir) if tuple(s.token_ids[:s.prompt_len]) not in asked]
-    return others[:count]
+    others = generate_responses(runner, config, cache_dir)
+    return [s for s in others if tuple(s.token_ids[:s.prompt_len]) not in asked][:count]
 
 
 def offsets_table(runner: ModelRunner, paths: list[str], num_sequences: int, anchors: int, prompts: str | None = None,

@@ -135,6 +135,22 @@ def test_training_goes_on_from_a_checkpoint(trained: dict, tiny_runner: ModelRun
                       tmp_path / "x.pt", "x", path.parent, log=lambda _: None)
 
 
+def test_a_fine_tune_that_only_hurts_keeps_the_starting_weights(trained: dict, tiny_runner: ModelRunner,
+                                                                tmp_path: Path) -> None:
+    """The best validated weights include the starting ones: a fine-tune whose every validated step is worse (a
+    learning rate far too high) saves its checkpoint's weights, best_step 0, and says so."""
+    path, _ = trained["eagle"]
+    train = TrainConfig(steps=2, batch_size=4, lr=5.0, warmup_steps=1, max_seq_len=96, val_sequences=8,
+                        log_every=1000, val_every=1, init_from=str(path))
+    lines: list[str] = []
+    metrics = train_drafter("eagle", tiny_runner, DataConfig(num_prompts=40), train, {}, tmp_path / "worse.pt",
+                            "again", path.parent, log=lines.append)
+    assert metrics["best_step"] == 0 and metrics["val/ce"] == metrics["val_before/ce"], metrics
+    assert any(line.startswith("kept the starting weights") for line in lines), lines
+    start, kept = (torch.load(p, weights_only=True)["state_dict"] for p in (path, tmp_path / "worse.pt"))
+    assert all(torch.equal(start[k], kept[k]) for k in start)
+
+
 def test_a_signal_ends_training_with_the_best_weights_so_far(trained: dict, tiny_runner: ModelRunner,
                                                              tmp_path: Path) -> None:
     """SIGTERM (or Ctrl-C) mid-run: the step in flight finishes, the best validated weights are saved, and the

@@ -90,7 +90,7 @@ def format_summary(summary: dict[str, Any], limit: int = 8) -> str:
              f"self device total {summary['totals']['self_device_total_ms']:.1f} ms"]
     lines.append("ranges: " + ", ".join(f"{k} {v['total_ms']:.1f} ms x{int(v['count'])}"
                                         for k, v in summary["ranges"].items()))
-    lines.append(f"top ops by self CPU time:")
+    lines.append("top ops by self CPU time:")
     lines += [f"  {r['op'][:48]:<48} {r['self_cpu_ms']:9.2f} ms  x{r['calls']}"
               for r in summary["top_self_cpu"][:limit]]
     syncs = summary["syncs"]

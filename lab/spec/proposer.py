@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,10 @@ from lab.request import Request, SamplingParams
 from lab.sample.rejection import target_probs
 from lab.sample.sampler import argmax_rows
 from lab.spec.tree import cut, depths, likeliest
+
+if TYPE_CHECKING:   # NOTE: annotations only: this module stays free of the runner's and the caches' imports
+    from lab.kv_cache.manager import KVCacheManager
+    from lab.runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -111,7 +115,7 @@ def pick_draft_tokens(logits: torch.Tensor, params: list[SamplingParams], genera
 class ProposerConfig(Protocol):
     """A conf/engine/proposer/*.yaml target: plain settings in, a Proposer out once the target is known."""
 
-    def build(self, target: "ModelRunner", kv: "KVCacheManager") -> Proposer:  # noqa: F821
+    def build(self, target: ModelRunner, kv: KVCacheManager) -> Proposer:
         """`kv`: the target's KV cache manager: the block count and size a drafter's own KV mirrors, and the block
         tables a feature drafter keeps the target's features by (lab/spec/features.py)."""
         ...

@@ -1,6 +1,7 @@
 """A drafter training run: build the drafter for the target (its layers initialised from the target's
 last layers), load the cached data and features, optimise (AdamW, warm-up + cosine), validate on held-out
-sequences, save the checkpoint with the command that re-creates it. SIGINT / SIGTERM (Ctrl-C, `kill`) stop the
+sequences, save the best validated weights (the starting ones included: a fine-tune that only hurts keeps its
+checkpoint's) with the command that re-creates them. SIGINT / SIGTERM (Ctrl-C, `kill`) stop the
 run after its current step and save the best validated weights so far, their command ending in
 `train.stop_after=<steps done>` so that it still re-creates them; `train.max_seconds` stops a run the same way.
 
@@ -50,7 +51,8 @@ class TrainConfig:
     max_seq_len: int = 512
     val_sequences: int = 12
     log_every: int = 20
-    val_every: int = 100   # validate every N steps and keep the best weights (early stopping); 0 = only at the end
+    val_every: int = 100   # validate every N steps and keep the best weights, the starting ones included (early
+                           # stopping); 0 = only at the end
     init_from: str | None = None   # a drafter checkpoint to go on training (its config wins over the drafter options)
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
     stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
@@ -261,7 +263,8 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     start = time.perf_counter()
     drafter.train()
     losses: list[float] = []
-    best: _Best | None = None
+    # NOTE: the starting weights are a candidate too: a fine-tune (train.init_from) that only hurts keeps them
+    best = _Best(0, before, _state_copy(drafter))
     steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
     stop = _StopEarly(train.max_seconds)
     for step in stop.steps(steps_done):
@@ -295,7 +298,9 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     best = _keep_best(best, steps_done, validate(), drafter, log, logger)
     drafter.load_state_dict(best.state)
     after = best.metrics
-    log(f"kept the weights of step {best.step}: validation {json.dumps(after)}")
+    kept = "the starting weights (no validated step improved on them)" if best.step == 0 else \
+        f"the weights of step {best.step}"
+    log(f"kept {kept}: validation {json.dumps(after)}")
     window = max(1, min(10, len(losses) // 4))
     metrics = {"train_seconds": time.perf_counter() - start, "steps": steps_done, "best_step": best.step,
                "train/first_loss": sum(losses[:window]) / window, "train/last_loss": sum(losses[-window:]) / window,
@@ -413,14 +418,18 @@ class _Best:
     state: dict[str, torch.Tensor]
 
 
-def _keep_best(best: _Best | None, step: int, metrics: dict[str, float], drafter: nn.Module,
+def _keep_best(best: _Best, step: int, metrics: dict[str, float], drafter: nn.Module,
                log: Callable[[str], None], logger: Any) -> _Best:
     """Early stopping on the validation cross-entropy (a small corpus overfits within a few epochs)."""
     log(f"step {step} validation {json.dumps(metrics)}")
     logger.log_series("val", [{"step": step, **metrics}], "step")
-    if best is None or metrics["ce"] < best.metrics["ce"]:
-        return _Best(step, metrics, {k: v.detach().clone() for k, v in drafter.state_dict().items()})
+    if metrics["ce"] < best.metrics["ce"]:
+        return _Best(step, metrics, _state_copy(drafter))
     return best
+
+
+def _state_copy(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
 
 
 def _round(metrics: dict[str, float]) -> dict[str, float]:
