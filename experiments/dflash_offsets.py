@@ -190,7 +190,9 @@ class TreeBlocks:
         later = {path: rows[:depth - len(path)] for path, rows in self.redrafts[block].items()}
         token_ids, parents, path_probs = marginal_tree(self.candidates[block][:depth], max_nodes, redrafts=later)
         if chain:
-            token_ids, parents, path_probs, _ = graft_chain(token_ids, parents, path_probs, chain, max_nodes)
+            # NOTE: as the engine's graft: up to DFlashProposer.max_drafts nodes, a chain of k outranking a smaller tree
+            token_ids, parents, path_probs, _ = graft_chain(token_ids, parents, path_probs, chain,
+                                                            max(depth, max_nodes))
         draft = Draft(token_ids, None, parents, path_probs=path_probs)
         if room is not None:
             draft.fit(min(depth, room), room)

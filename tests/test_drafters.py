@@ -1032,6 +1032,13 @@ def test_a_chain_that_fills_the_grafted_tree_skips_the_fallback(trained: dict, m
         tau[skip] = engine.stats()["spec_decode_acceptance_length"]
     assert verified[True] == verified[False] and tau[True] == tau[False]
     assert drafted[True] < drafted[False]
+    if max_num_seqs == 1:   # NOTE: the offline walk grafts as the engine does: up to 3 nodes onto a 2-node tree
+        answers = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests]
+        drafter = load_drafter(trained["dflash"][0], "dflash", tiny_runner.model)
+        features = target_features(tiny_runner, answers, drafter.feature_layers)
+        walked = load_experiment("dflash_offsets").walk_table(tiny_runner, drafter, (answers, features), [3],
+                                                              tree_nodes=(2,), graft_suffix=0.1)
+        assert walked["3, tree of 2, suffix grafted"][0] == pytest.approx(tau[True])
 
 
 def test_a_chain_grafted_onto_runners_up_without_path_probabilities_stays_lossless(trained: dict,
