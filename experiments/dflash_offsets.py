@@ -38,7 +38,7 @@ engine/proposer=suffix_dflash_tree drafts it, the answers taken as the engine's 
 or of `--suffix-history-prompts`), as if the engine had served them before (its global table keeps the last
 `max_cached_requests`, 256); `--suffix-global-min-n M` lets other requests answer only suffixes of M+ tokens:
 
-    python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill.pt --prompts gsm8k --sequences 32 \
+    python experiments/dflash_offsets.py checkpoints/smollm2/dflash_onpolicy_fill3.pt --prompts gsm8k --sequences 32 \
         --walk 7 --tree-nodes 4 --graft-suffix 0.1 --suffix-history 0 100 400
 
 `--prompts mtbench|gsm8k|...` evaluates on the target's own greedy answers to that set's prompts instead
@@ -245,8 +245,8 @@ def redrafted_probs(drafter: torch.nn.Module, target: torch.nn.Module, batch: Ba
 @torch.inference_mode()
 def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[list[Sequence], list[torch.Tensor]],
                ks: list[int], denoise_steps: int = 1, tree_nodes: tuple[int, ...] = (), tree_redraft: int = 0,
-               tree_redraft_levels: int = 1, graft_suffix: float | None = None, history: list[Sequence] = (),
-               global_min_n: int = 1) -> dict[str, tuple[float, float]]:
+               tree_redraft_levels: int = 1, graft_suffix: float | None = None,
+               history: list[Sequence] | None = None, global_min_n: int = 1) -> dict[str, tuple[float, float]]:
     """"k" (and "k, tree of N" for N in `tree_nodes`) -> (tau along the engine's walk, tau over every answer
     position), pooled over the answers. With `denoise_steps` S the drafts are the proposer's: offset j < S drafted
     with offsets 1..j-1 filled in, the rest with 1..S-1 (on the target's greedy text a filled draft that counts is
@@ -273,7 +273,7 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
               for name, _, _, graft in names if graft}
     for walked_and_every in suffix.values():
         for proposer in walked_and_every:
-            for sequence in history:
+            for sequence in history or []:
                 proposer.remember(list(sequence.token_ids))
     for number, (sequence, features) in enumerate(zip(*answers)):
         batch: Batch = make_batch([sequence], [features], max_len=len(sequence.token_ids))
@@ -352,6 +352,8 @@ def main() -> None:
                         help="with --graft-suffix: other requests answer only suffixes of M+ tokens "
                              "(engine.proposer.primary.global_min_n)")
     args = parser.parse_args()
+    if args.graft_suffix is None and any(args.suffix_history):
+        parser.error("--suffix-history walks the grafted trees: add --tree-nodes N --graft-suffix MIN_CONFIDENCE")
     torch.set_num_threads(1)
     runner = ModelRunner(smollm2(), dtype="float32")
     results = offsets_table(runner, args.checkpoints, args.sequences, args.anchors, args.prompts, args.max_new_tokens,
