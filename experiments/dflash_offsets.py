@@ -260,9 +260,11 @@ def walk_table(runner: ModelRunner, drafter: torch.nn.Module, answers: tuple[lis
     drafter.eval()
     redrafted = f", redrafted under {tree_redraft}" if tree_redraft else ""
     redrafted += f" x {tree_redraft_levels} levels" if tree_redraft and tree_redraft_levels > 1 else ""
-    # NOTE: with a history only the grafted walks change, so only they are walked
-    names = [] if history else [(str(k), k, 0, False) for k in ks]
-    for graft in (True,) if history else (False, True) if graft_suffix is not None else (False,):
+    if history:   # NOTE: a history changes only the grafted walks, so only they are walked
+        names, grafts = [], (True,)
+    else:
+        names, grafts = [(str(k), k, 0, False) for k in ks], (False, True) if graft_suffix is not None else (False,)
+    for graft in grafts:
         names += [(f"{k}, tree of {n}{redrafted}{', suffix grafted' if graft else ''}", k, n, graft)
                   for k in ks for n in tree_nodes]
     drafts, accepted = {name: 0 for name, *_ in names}, {name: 0 for name, *_ in names}

@@ -54,10 +54,7 @@ DRAFT_WEIGHTS: tuple[DraftWeights, ...] = ("auto", "fp32", "fp16", "q8_0", "q4_1
 def resolve_draft_weights(weights: str, target: ModelRunner) -> DraftWeights:
     """engine.proposer.weights -> what the drafter's few-row products stream: `auto` is `q8_0` where the target's
     blocks run on AMX tiles (model.block_kernel; a drafter's block of rows then costs about one), else `fp16`."""
-    if weights not in DRAFT_WEIGHTS:
-        raise LabError(f"engine.proposer.weights={weights!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
-                       "use engine.proposer.weights=auto (Q8_0 blocks on AMX tiles, else fp16 copies), fp32, fp16, "
-                       "q8_0 or q4_1")
+    _check_weights("weights", weights, "Q8_0 blocks on AMX tiles, else fp16 copies")
     if weights == "auto":
         return "q8_0" if _target_on_tiles(target) else "fp16"
     return weights
@@ -66,12 +63,17 @@ def resolve_draft_weights(weights: str, target: ModelRunner) -> DraftWeights:
 def resolve_head_weights(head_weights: str, weights: DraftWeights) -> DraftWeights:
     """engine.proposer.head_weights -> what the draft head's few-row products stream (the target's head cut to the
     draft vocabulary): `auto` is the drafter's own `weights` (resolved; q8_0 streams the target's own Q8_0 head
-    blocks, exact). `q4_1` rounds them to Q4_1 (59 % of the bytes): session 41 measured a DFlash draft 3-18 % faster
+    blocks, exact). `q4_1` rounds them to Q4_1 (59 % of the bytes): session 41 measured a DFlash draft 3-10 % faster
     and tau 0.01-0.02 lower, no net speedup within run-to-run noise (docs/speculative.md)."""
-    if head_weights not in DRAFT_WEIGHTS:
-        raise LabError(f"engine.proposer.head_weights={head_weights!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
-                       "use engine.proposer.head_weights=auto (as engine.proposer.weights), fp32, fp16, q8_0 or q4_1")
+    _check_weights("head_weights", head_weights, "as engine.proposer.weights")
     return weights if head_weights == "auto" else head_weights
+
+
+def _check_weights(key: str, value: str, auto_means: str) -> None:
+    if value not in DRAFT_WEIGHTS:
+        raise LabError(f"engine.proposer.{key}={value!r} is not one of {', '.join(DRAFT_WEIGHTS)}",
+                       f"use engine.proposer.{key}=auto ({auto_means}), " + ", ".join(DRAFT_WEIGHTS[1:-1])
+                       + f" or {DRAFT_WEIGHTS[-1]}")
 
 
 def _target_on_tiles(target: ModelRunner) -> bool:
