@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -1041,6 +1042,32 @@ def test_a_chain_that_fills_the_grafted_tree_skips_the_fallback(trained: dict, m
         assert walked["3, tree of 2, suffix grafted"][0] == pytest.approx(tau[True])
 
 
+def test_a_chain_past_the_grafted_tree_is_verified_while_suffix_decoding_stays_sure(trained: dict,
+                                                                                    tiny_runner: ModelRunner) -> None:
+    """num_spec_tokens above the grafted tree's max_nodes (8 against 3): a chain that fills the tree is verified alone
+    up to 8, its drafts past the 3rd kept while the product of suffix decoding's confidences stays >=
+    long_chain_min_confidence (0: all; 1: none, the chain cut to the tree's size), and the output stays `ar`'s."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:12]]   # a repeat: suffix decoding has matches
+    requests = partial(make_requests, prompts, 24, ignore_eos=True)
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(requests()).requests]
+    tree = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), weights="fp32", lookahead_masks=None,
+                                tree_nodes=2)
+    longest, extra = {}, {}
+    for threshold in (0.0, 0.5, 1.0):
+        config = CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), tree, fallback_num_spec_tokens=3,
+                                       graft=True, long_chain_min_confidence=threshold)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=8, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+        drafts = record_drafts(engine)
+        assert [r.output_token_ids for r in engine.run(requests()).requests] == expected
+        longest[threshold] = max(len(d.token_ids) for d in drafts if d.parents is None)
+        extra[threshold] = engine.stats()["spec/long_chain_tokens"]
+    assert longest[1.0] == 3 and extra[1.0] == 0
+    assert longest[0.0] > 3 and extra[0.0] > extra[0.5], (longest, extra)
+    with pytest.raises(LabError, match=r"long_chain_min_confidence must be in \[0, 1\]"):
+        SpeculativeEngine(tiny_runner, replace(config, long_chain_min_confidence=1.5), num_spec_tokens=8, kv_cache=KV)
+
+
 def test_a_chain_grafted_onto_runners_up_without_path_probabilities_stays_lossless(trained: dict,
                                                                                   tiny_runner: ModelRunner) -> None:
     """tree_width 3 drafts the chain and 2 runners-up with no path probabilities: the grafted tree ranks its nodes
@@ -1070,13 +1097,15 @@ def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(tr
 
 
 def test_the_cpu_sized_graft_config_is_the_tree_suffix_graft_with_a_small_tree() -> None:
-    """engine=dflash_graft: engine=dflash_tree_suffix with a 4-node tree and no redrafts (its rows stay few)."""
+    """engine=dflash_graft: engine=dflash_tree_suffix with a 4-node tree and no redrafts (its rows stay few), and room
+    for a chain past the tree's 7 nodes while suffix decoding stays sure."""
     graft = compose_cfg(["+experiment=crossover", "engine=dflash_graft"]).engine
     tree = compose_cfg(["+experiment=crossover", "engine=dflash_tree_suffix"]).engine
     assert graft.name == "dflash_graft" and graft.proposer.graft and graft.proposer.primary == tree.proposer.primary
     assert (graft.proposer.fallback.tree_nodes, graft.proposer.fallback.tree_redraft) == (4, 0)
     assert graft.proposer.fallback.checkpoint == tree.proposer.fallback.checkpoint
-    assert graft.num_spec_tokens == tree.num_spec_tokens
+    assert (graft.num_spec_tokens, tree.num_spec_tokens) == (12, 7)
+    assert (graft.proposer.long_chain_min_confidence, tree.proposer.long_chain_min_confidence) == (0.3, 0.0)
 
 
 def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:

@@ -34,6 +34,14 @@ def test_the_draft_stops_where_confidence_falls_below_the_threshold() -> None:
     assert SuffixProposer(max_n=2, min_confidence=0.6).propose_one(request("a", tokens), 1) == [9]
 
 
+def test_a_draft_reports_each_token_s_estimated_probability_as_its_confidence() -> None:
+    """count / (total + 1) of each chosen continuation, local counts weighted: what a cascade's long chain is cut by."""
+    tokens = [1, 2, 3, 0, 1, 2, 9, 0, 1, 2, 9, 0, 1, 2]
+    draft = SuffixProposer(max_n=2, min_confidence=0.1).propose([request("a", tokens)], 2, [None])["a"]
+    # NOTE: 9 as above (8 / 13); then (2, 9) was followed by 0 twice: 8 / (8 + 1)
+    assert draft.token_ids == [9, 0] and draft.confidence == pytest.approx([8 / 13, 8 / 9])
+
+
 def test_finished_requests_teach_later_ones_and_the_oldest_leave_first() -> None:
     proposer = SuffixProposer(max_n=3, min_confidence=0.1, max_cached_requests=1)
     first = request("a", [10, 11, 12, 13, 14])

@@ -12,7 +12,10 @@ With `graft`, the fallback drafts every request, and where it drafts a tree (gre
 joins it as one more branch (tree.graft_chain): the tree's least likely nodes make room for it, and the verify walks
 whichever path the target's text follows. Suffix decoding is right where text repeats (a request's own earlier
 output, its prompt), a block drafter where it follows from the context's meaning, and a tree holds both. A chain
-from the fallback (a sampling request) is routed as above.
+from the fallback (a sampling request) is routed as above. A chain as long as the grafted tree would keep outranks
+all of it, so the fallback does not draft that request; the chain is verified alone, and with num_spec_tokens above
+the tree's size it may run past it while the primary stays sure (`long_chain_min_confidence`: text that repeats a
+whole sentence or list item).
 
 The fallback is called only for some steps, so it must catch up on the tokens accepted meanwhile; EAGLE
 and DFlash do (they keep the draft KV of every position fed real target features and run the rest).
@@ -30,13 +33,14 @@ import torch
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
 from lab.request import Request
+from lab.spec.feature_proposer import ConfidenceGate
 from lab.spec.proposer import Draft, Proposer, check_num_spec_tokens
 from lab.spec.tree import graft_chain
 
 
 class CascadeProposer:
     def __init__(self, primary: Proposer, fallback: Proposer, fallback_num_spec_tokens: int,
-                 graft: bool = False) -> None:
+                 graft: bool = False, long_chain_min_confidence: float = 0.0) -> None:
         if primary.feature_layers:
             raise LabError("the cascade's primary proposer must not read target features",
                            "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
@@ -45,13 +49,18 @@ class CascadeProposer:
         self.primary, self.fallback = primary, fallback
         self.fallback_num_spec_tokens = fallback_num_spec_tokens
         self.graft = graft
+        if not 0.0 <= long_chain_min_confidence <= 1.0:
+            raise LabError("engine.proposer.long_chain_min_confidence must be in [0, 1], got "
+                           f"{long_chain_min_confidence}", "e.g. 0.3 (suffix decoding's own min_confidence), or 0 "
+                           "to keep every draft up to num_spec_tokens")
+        self.long_chain_min_confidence = long_chain_min_confidence
         if graft and not getattr(fallback, "drafts_trees", False):
             raise LabError("engine.proposer.graft grafts the primary's chain onto the fallback's trees of drafts, but "
                            "this fallback drafts chains", "give the fallback trees (engine.proposer.fallback.tree_nodes "
                            "or tree_width; engine/proposer=suffix_dflash_tree), or set engine.proposer.graft=false")
         self.feature_layers = fallback.feature_layers
         self.num_primary_drafts = self.num_fallback_drafts = 0
-        self.num_grafted_drafts = self.num_grafted_tokens = 0
+        self.num_grafted_drafts = self.num_grafted_tokens = self.num_long_chain_tokens = 0
 
     def observe(self, slot_mapping: torch.Tensor, features: torch.Tensor) -> None:
         self.fallback.observe(slot_mapping, features)
@@ -65,7 +74,7 @@ class CascadeProposer:
         greedy = {r.request_id for r in requests if r.sampling_params.is_greedy}
         filled = self.filling_chains(drafts, greedy, max_nodes)
         for rid in filled:
-            drafts[rid].fit(max_nodes, max_nodes)   # NOTE: what grafting keeps of it
+            self._cut_long_chain(drafts[rid], max_nodes)
         # NOTE: a sampling request's fallback chain is dropped where the primary drafted, so it is not drafted either
         rest = [(r, g) for r, g in zip(requests, generators) if r.request_id not in drafts
                 or (self.graft and r.request_id in greedy and r.request_id not in filled)]
@@ -83,6 +92,17 @@ class CascadeProposer:
         it, so the graft would keep none of the fallback's tree, and the fallback need not draft one (GSM8K: 40 % of
         the 4-node graft's steps draft a full chain of 7)."""
         return {rid for rid, chain in chains.items() if rid in greedy and len(chain.token_ids) >= max_nodes > 0}
+
+    def _cut_long_chain(self, chain: Draft, max_nodes: int) -> None:
+        """A chain that fills the grafted tree's `max_nodes` is verified alone, up to num_spec_tokens. Its drafts
+        past `max_nodes` are rows the tree would not have cost, so they stay only while the product of the primary's
+        confidences is >= long_chain_min_confidence (a primary reporting none keeps them all)."""
+        if len(chain.token_ids) <= max_nodes:
+            return
+        gate = ConfidenceGate(self.long_chain_min_confidence, always_draft=max_nodes)
+        keep = len(chain.token_ids) if chain.confidence is None else gate.length(chain.confidence)
+        self.num_long_chain_tokens += keep - max_nodes
+        chain.fit(keep, keep)
 
     def _grafted(self, chains: dict[str, Draft], trees: dict[str, Draft], max_nodes: int) -> dict[str, Draft]:
         """The fallback's trees with the primary's chain of the same request grafted on (at most `max_nodes` nodes,
@@ -127,7 +147,8 @@ class CascadeProposer:
         stats = {**self.primary.stats(), **self.fallback.stats(),
                  "spec/primary_drafts": self.num_primary_drafts, "spec/fallback_drafts": self.num_fallback_drafts}
         if self.graft:
-            stats |= {"spec/grafted_drafts": self.num_grafted_drafts, "spec/grafted_tokens": self.num_grafted_tokens}
+            stats |= {"spec/grafted_drafts": self.num_grafted_drafts, "spec/grafted_tokens": self.num_grafted_tokens,
+                      "spec/long_chain_tokens": self.num_long_chain_tokens}
         return stats
 
 
@@ -140,6 +161,7 @@ class CascadeProposerConfig:
     fallback: Any = None
     fallback_num_spec_tokens: int = 2
     graft: bool = False
+    long_chain_min_confidence: float = 0.0
 
     def kv_bytes_per_token(self, target: Any) -> int:
         """What both proposers keep per target KV slot."""
@@ -154,4 +176,4 @@ class CascadeProposerConfig:
             raise LabError(f"engine.proposer.fallback_num_spec_tokens must be >= 0, got {self.fallback_num_spec_tokens}",
                            "use 0 (primary only) to num_spec_tokens")
         return CascadeProposer(self.primary.build(target, kv), self.fallback.build(target, kv),
-                               self.fallback_num_spec_tokens, self.graft)
+                               self.fallback_num_spec_tokens, self.graft, self.long_chain_min_confidence)

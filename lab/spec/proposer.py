@@ -29,8 +29,9 @@ class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None = None   # (len(token_ids), V) q distributions; None = deterministic (one-hot)
     parents: list[int] | None = None    # a tree of drafts (greedy only): each token's parent; None: a chain
-    # NOTE: a chain's drafter confidence at each token (its distribution's largest probability), where the drafter
-    # computes it (a confidence gate, or engine.draft_policy=goodput); None: not measured
+    # NOTE: a chain's drafter confidence at each token (its distribution's largest probability; suffix decoding's: the
+    # chosen continuation's count / (total + 1)), where the drafter computes it (a confidence gate,
+    # engine.draft_policy=goodput, a cascade's long chain); None: not measured
     confidence: list[float] | None = None
     forced: bool = False                # the tokens a request's grammar forces (engine.grammar_drafts)
     # NOTE: a tree's path probability at each node (the drafter's probabilities multiplied down the path), where the

@@ -75,7 +75,11 @@ class SuffixProposer:
     # -- Proposer interface ----------------------------------------------------------------------------
     def propose(self, requests: list[Request], num_spec_tokens: int,
                 generators: list[torch.Generator | None]) -> dict[str, Draft]:
-        return {r.request_id: Draft(self.propose_one(r, num_spec_tokens)) for r in requests}
+        drafts = {}
+        for request in requests:
+            token_ids, probabilities = self.propose_with_probabilities(request, num_spec_tokens)
+            drafts[request.request_id] = Draft(token_ids, confidence=probabilities)
+        return drafts
 
     def free(self, request_id: str) -> None:
         """The request is done: its tokens join the global table (the oldest cached request leaves)."""
@@ -105,10 +109,16 @@ class SuffixProposer:
 
     # -- drafting --------------------------------------------------------------------------------------
     def propose_one(self, request: Request, num_spec_tokens: int) -> list[int]:
+        return self.propose_with_probabilities(request, num_spec_tokens)[0]
+
+    def propose_with_probabilities(self, request: Request, num_spec_tokens: int) -> tuple[list[int], list[float]]:
+        """The draft, and each token's estimated probability count / (total + 1) (the Draft's confidence: the
+        largest of the counted continuations', since the walk takes the most frequent)."""
         token_ids = request.all_token_ids
         local = self._sync_local(request, token_ids)
         tail = list(token_ids[-self.max_n:])
         draft: list[int] = []
+        probabilities: list[float] = []
         confidence = 1.0
         used_global = False
         while len(draft) < num_spec_tokens:
@@ -118,10 +128,11 @@ class SuffixProposer:
             confidence *= probability
             used_global |= from_global
             draft.append(token)
+            probabilities.append(probability)
             tail = tail[1:] + [token] if len(tail) == self.max_n else tail + [token]
         self.num_proposals += 1
         self.num_global_hits += int(used_global)
-        return draft
+        return draft, probabilities
 
     def _sync_local(self, request: Request, token_ids: list[int]) -> ContinuationTable:
         """The request's own table, extended with the tokens it gained since the last draft."""
