@@ -8,7 +8,9 @@ once, since only its row is gathered but the lm_head reads the whole matrix). `a
 projections as their exact GGUF blocks (model.weight_blocks=auto, lab/models/weight_blocks.py), so its
 roofline is the blocks' bytes; `ar-fp32` is the same engine on the fp32 weights (weight_blocks=off). Where the CPU
 has AMX-BF16, `ar` streams them as AMX tiles (model.block_kernel=auto, lab/models/native_tiles.py) and `ar-avx`
-is the same engine on the AVX blocks (block_kernel=avx, bit-identical to fp32).
+is the same engine on the AVX blocks (block_kernel=avx, bit-identical to fp32). Where Linux offers transparent huge
+pages, `ar` streams them from 2 MiB pages (model.huge_pages=auto, lab/huge_pages.py) and `ar-4k` is the same
+engine with them on the allocator's 4 KiB pages (huge_pages=off).
 
     python experiments/bench_ar.py                 # fp32, 128 prompt + 128 new tokens, 5 reps each
     python experiments/bench_ar.py --quick         # a short run
@@ -163,6 +165,8 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", weight_blocks="off"), name="ar-fp32"))
     if runner.block_kernel == "amx":   # NOTE: the AVX blocks (bit-identical to fp32) against the AMX tiles
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", block_kernel="avx"), name="ar-avx"))
+    if runner.huge_page_bytes:         # NOTE: the same blocks on the allocator's 4 KiB pages (model.huge_pages)
+        engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", huge_pages="off"), name="ar-4k"))
     if args.llama_cpp and dtype == "float32":
         engines.append(LlamaCppDecoder(torch.get_num_threads(), args.prompt_len + args.new_tokens + 8))
     if args.row_major and dtype == "float32":  # NOTE: other dtypes already run row-major
@@ -304,6 +308,11 @@ def main() -> None:
                 result.samples["ar-fp32"].decode_tok_s)
             same = result.samples["ar"].output_token_ids == result.samples["ar-fp32"].output_token_ids
             print(f"{dtype}: GGUF blocks over fp32 weights: {ratio:.2f}x decode tok/s; same tokens: {same}")
+        if "ar-4k" in result.samples:
+            ratio = statistics.median(result.samples["ar"].decode_tok_s) / statistics.median(
+                result.samples["ar-4k"].decode_tok_s)
+            same = result.samples["ar"].output_token_ids == result.samples["ar-4k"].output_token_ids
+            print(f"{dtype}: blocks on 2 MiB pages over 4 KiB ones: {ratio:.3f}x decode tok/s; same tokens: {same}")
         if "llama.cpp" in result.samples:
             ours, theirs = result.samples["ar"].output_token_ids, result.samples["llama.cpp"].output_token_ids
             agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab import huge_pages
 from lab.models import native_gemm, native_gemv, native_tiles, weight_blocks
 
 GemmBackend = Literal["native", "onednn"]
@@ -234,6 +235,20 @@ def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", 
             module.half_weight = None
             count += 1
     return count
+
+
+def move_streamed_weights_to_huge_pages(model: nn.Module) -> int:
+    """Move what every PackedLinear of `model` streams in its few-row calls (its GGUF blocks, its fp16 copy) into one
+    mapping on 2 MiB pages (lab/huge_pages.py), in module order, i.e. the order a forward reads them. The same
+    values, so outputs are unchanged; a copy made stale by a changed weight stays stale. Returns the bytes moved."""
+    slots = [(module, name) for module in model.modules() if type(module) is PackedLinear
+             for name in ("blocks", "half_weight") if getattr(module, name) is not None]
+    if not slots:
+        return 0
+    moved = huge_pages.move([getattr(module, name) for module, name in slots])
+    for (module, name), tensor in zip(slots, moved):
+        setattr(module, name, tensor)
+    return sum(t.numel() * t.element_size() for t in moved)
 
 
 def _is_cpu_fp32(weight: torch.Tensor) -> bool:

@@ -97,6 +97,8 @@ def shard_runner(runner: ModelRunner, group: dist.ProcessGroup | None = None) ->
         pack_linear_weights(runner.model)  # NOTE: the new column-parallel linears get the runner's fast path too
     if runner.block_linears:               # NOTE: and the blocks of their rows (lab/models/weight_blocks.py)
         runner.block_linears = runner.model.use_block_weights(tiles=runner.model.block_tiles)[0]
+        if runner.use_huge_pages:
+            runner.model.use_huge_pages()
     c = runner.config
     runner.config = dataclasses.replace(c, num_heads=c.num_heads // world_size,
                                         num_kv_heads=c.num_kv_heads // world_size)

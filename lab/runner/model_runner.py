@@ -12,6 +12,7 @@ import torch
 
 from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
+from lab import huge_pages as huge_pages_module
 from lab.models import native_gemv, native_tiles
 from lab.models.block_rows import measure_block_rows
 from lab.models.config import DecoderConfig
@@ -38,14 +39,19 @@ def _as_id_set(value: Any) -> set[int]:
 class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto",
-                 block_rows: int | str = "auto", block_kernel: BlockKernel = "auto") -> None:
+                 block_rows: int | str = "auto", block_kernel: BlockKernel = "auto",
+                 huge_pages: huge_pages_module.HugePages = "auto") -> None:
         """`weight_blocks`: "auto" streams every projection whose fp32 weights are exactly GGUF block values (the
         bundled SmolLM2's are: it is a Q4_1 GGUF) as those blocks in few-row forwards, bit-identically
         (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs). `block_kernel`: "amx" streams them
         through AMX tiles (lab/models/native_tiles.py: up to 16 rows for little more than one, within fp32
         rounding), "avx" through the AVX kernel (bit-identical to the fp32 weights), "auto" = amx where the CPU has
         AMX-BF16, else avx. `block_rows`: the most rows such a forward may have, "auto" = 64 on tiles, else
-        measured here at load (lab/models/block_rows.py), or an integer from 1 to 64."""
+        measured here at load (lab/models/block_rows.py), or an integer from 1 to 64. `huge_pages`: "auto" moves
+        the blocks onto 2 MiB pages where Linux offers them, and allocates the KV caches there (lab/huge_pages.py:
+        fewer TLB misses a step, the same values), "on" the same or an error, "off" leaves both on the allocator's
+        pages (A/B runs)."""
+        wants_huge_pages = huge_pages_module.resolve(huge_pages)
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
                            "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
@@ -76,12 +82,15 @@ class ModelRunner:
         if can_pack(self.device, self.dtype):
             # NOTE: batched forwards (2+ rows) run oneDNN on a prepacked copy, ~1.3x MKL's sgemm at 32-64 rows.
             pack_linear_weights(self.model)
+        self.use_huge_pages = wants_huge_pages and self.device.type == "cpu"   # NOTE: a GPU's memory has its own pages
         self.block_linears = 0          # how many projections stream GGUF blocks (weight_blocks="auto")
         self.block_kernel: BlockKernel = "avx"   # the kernel they stream through (block_kernel)
         if weight_blocks == "auto" and can_pack(self.device, self.dtype) and native_gemv.AVAILABLE:
             self.block_kernel = self._resolve_block_kernel(block_kernel)
             tiles = self.block_kernel == "amx"
             self.block_linears, linears = self.model.use_block_weights(tiles=tiles)
+            if self.block_linears and self.use_huge_pages:
+                self.model.use_huge_pages()
             if self.block_linears:
                 self.model.set_block_max_rows(GEMV_MAX_ROWS if tiles and block_rows == "auto"
                                               else self._block_rows(block_rows))
@@ -127,6 +136,13 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in params.values())
 
     @property
+    def huge_page_bytes(self) -> int:
+        """Bytes of the streamed blocks that the kernel backs with 2 MiB pages now (model.huge_pages; 0 where they lie
+        on the allocator's pages)."""
+        pairs = self.model.block_pairs() if self.use_huge_pages else []
+        return huge_pages_module.huge_page_bytes(pairs[0][1]) if pairs else 0
+
+    @property
     def streamed_weight_bytes(self) -> int:
         """weight_bytes with every projection that streams GGUF blocks counted at its blocks' size: the bytes a
         batch-1 decode step reads, as weight_bytes is for fp32 weights."""
@@ -141,7 +157,7 @@ class ModelRunner:
     def allocate_kv_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
         c = self.config
         return ContiguousKVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, huge_pages=self.use_huge_pages)
 
     def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast",
                                 scratch_block: bool = False) -> BlockKVCache:
@@ -149,7 +165,7 @@ class ModelRunner:
         scratch block for padding rows if asked (CUDA-graph decode steps)."""
         c = self.config
         return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
-                            self.device, backend, scratch_block)
+                            self.device, backend, scratch_block, huge_pages=self.use_huge_pages)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,

@@ -39,7 +39,8 @@ from torch import nn
 from lab.drafters.checkpoint import load_drafter, resolve_checkpoint
 from lab.errors import LabError
 from lab.kv_cache.manager import KVCacheManager
-from lab.models.packed_linear import can_pack, pack_linear_weights, use_draft_blocks, use_half_weights
+from lab.models.packed_linear import (can_pack, move_streamed_weights_to_huge_pages, pack_linear_weights,
+                                     use_draft_blocks, use_half_weights)
 from lab.request import Request, SamplingParams
 from lab.sample.sampler import argmax_rows
 from lab.runner import ModelRunner
@@ -82,11 +83,13 @@ def _target_on_tiles(target: ModelRunner) -> bool:
 
 def _stream_draft_weights(module: nn.Module, target: ModelRunner, weights: DraftWeights) -> None:
     """Give `module`'s packed linears what their few-row products stream (resolve_draft_weights; `fp32`: their
-    own weights)."""
+    own weights), on 2 MiB pages where the target's are (model.huge_pages)."""
     if weights == "fp16":
         use_half_weights(module)
     elif weights in ("q8_0", "q4_1"):
         use_draft_blocks(module, weights, tiles=_target_on_tiles(target))
+    if target.use_huge_pages:
+        move_streamed_weights_to_huge_pages(module)
 
 
 def build_drafter(kind: str, target: ModelRunner, checkpoint: str | None, fresh: nn.Module | None,
