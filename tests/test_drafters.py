@@ -1084,6 +1084,30 @@ def test_a_chain_grafted_onto_runners_up_without_path_probabilities_stays_lossle
     assert all(len(d.token_ids) <= 5 and d.path_probs is None for d in drafts if d.parents is not None)
 
 
+def test_a_chain_grafted_by_confidence_competes_with_the_tree_and_stays_lossless(trained: dict,
+                                                                                 tiny_runner: ModelRunner) -> None:
+    """graft_by_confidence: suffix decoding's chain joins DFlash's 4-node tree ranked by its own confidences rather
+    than above every node, so the trees differ; they stay within the tree's 4 nodes, and the output is `ar`'s either
+    way."""
+    prompts = [p + p[:6] for p in _prompts(16, seed=3)[8:12]]
+    requests = partial(make_requests, prompts, 24, ignore_eos=True)
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(requests()).requests]
+    tree = DFlashProposerConfig(checkpoint=str(trained["dflash"][0]), weights="fp32", lookahead_masks=None,
+                                tree_nodes=4)
+    trees = {}
+    for by_confidence in (False, True):
+        config = CascadeProposerConfig(SuffixProposerConfig(min_confidence=0.1), tree, fallback_num_spec_tokens=3,
+                                       graft=True, graft_by_confidence=by_confidence)
+        engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3, kv_cache=KV,
+                                   scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64))
+        drafts = record_drafts(engine)
+        assert [r.output_token_ids for r in engine.run(requests()).requests] == expected, by_confidence
+        assert engine.stats()["spec/grafted_drafts"] > 0
+        assert all(len(d.token_ids) <= 4 for d in drafts if d.parents is not None)
+        trees[by_confidence] = [(d.token_ids, d.parents) for d in drafts if d.parents is not None]
+    assert trees[True] != trees[False], "an unsure chain tail gave way to a tree node somewhere"
+
+
 def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(trained: dict,
                                                                               tiny_runner: ModelRunner) -> None:
     """A chain-drafting fallback has no tree to graft onto: refused with the fix. A sampled request's DFlash draft is a
@@ -1097,8 +1121,8 @@ def test_graft_needs_a_fallback_that_drafts_trees_and_routes_sampled_requests(tr
 
 
 def test_the_cpu_sized_graft_config_is_the_tree_suffix_graft_with_a_small_tree() -> None:
-    """engine=dflash_graft: engine=dflash_tree_suffix with a 4-node tree and no redrafts (its rows stay few), and room
-    for a chain past the tree's 7 nodes while suffix decoding stays sure."""
+    """engine=dflash_graft: engine=dflash_tree_suffix with a 4-node tree and no redrafts (its rows stay few), room for
+    a chain past the tree's 7 nodes while suffix decoding stays sure, and the chain ranked by its confidences."""
     graft = compose_cfg(["+experiment=crossover", "engine=dflash_graft"]).engine
     tree = compose_cfg(["+experiment=crossover", "engine=dflash_tree_suffix"]).engine
     assert graft.name == "dflash_graft" and graft.proposer.graft and graft.proposer.primary == tree.proposer.primary
@@ -1106,6 +1130,7 @@ def test_the_cpu_sized_graft_config_is_the_tree_suffix_graft_with_a_small_tree()
     assert graft.proposer.fallback.checkpoint == tree.proposer.fallback.checkpoint
     assert (graft.num_spec_tokens, tree.num_spec_tokens) == (12, 7)
     assert (graft.proposer.long_chain_min_confidence, tree.proposer.long_chain_min_confidence) == (0.3, 0.0)
+    assert graft.proposer.graft_by_confidence and not tree.proposer.graft_by_confidence
 
 
 def test_cascade_sampling_runs_and_is_reproducible(trained: dict, tiny_runner: ModelRunner) -> None:

@@ -117,6 +117,26 @@ def test_a_grafted_chain_follows_the_tree_then_branches_off_and_is_kept_whole() 
     assert graft_chain([], [], [], [5, 6], 4)[:3] == ([5, 6], [ROOT, 0], [1.0, 1.0])
 
 
+def test_a_chain_grafted_by_confidence_competes_with_the_tree_node_by_node() -> None:
+    """graft_chain with chain_probs (engine.proposer.graft_by_confidence): each chain node ranks by the chain's own
+    path probability (the larger where the tree has it too), so an unsure chain tail gives way to likelier tree
+    nodes, and a sure chain lifts the tree's nodes it runs through."""
+    candidates = [[(10, .6), (11, .3), (12, .1)], [(20, .5), (21, .4)], [(30, .9), (31, .1)]]
+    tokens, parents, probs = marginal_tree(candidates, 5)   # 10-20-30 (.6, .3, .27), 10-21 (.24), 11 (.3)
+    chain, chain_probs = [10, 21, 40, 41], [.9, .5, .2, .05]
+    grown, grown_parents, grown_probs, grafted = graft_chain(tokens, parents, probs, chain, 7, chain_probs)
+    assert grafted == 2 and len(grown) == 7
+    ranked = dict(zip(grown, grown_probs))
+    assert ranked[10] == pytest.approx(.9) and ranked[21] == pytest.approx(.5) and ranked[41] == pytest.approx(.05)
+    # NOTE: cut to 6, the chain's last token (.05) leaves, where chain-first would drop 10-20-30 (.27)
+    cut_tokens, cut_parents, _, _ = graft_chain(tokens, parents, probs, chain, 6, chain_probs)
+    assert {tuple(p) for p in _paths(cut_tokens, cut_parents)} == {(10, 20, 30), (10, 21, 40), (11,)}
+    # NOTE: cut to 4: 10 (.9), 21 (.5), then 20 and 11 (.3 each) above the chain's 40 (.2)
+    cut_tokens, cut_parents, _, _ = graft_chain(tokens, parents, probs, chain, 4, chain_probs)
+    assert {tuple(p) for p in _paths(cut_tokens, cut_parents)} == {(10, 20), (10, 21), (11,)}
+    assert graft_chain(tokens, parents, probs, chain, 4)[:2] == ([10, 21, 40, 41], [ROOT, 0, 1, 2]), "chain first"
+
+
 def _paths(token_ids: list[int], parents: list[int]) -> list[list[int]]:
     """The path from the root to each leaf."""
     leaves = set(range(len(parents))) - set(parents)

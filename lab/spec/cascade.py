@@ -9,10 +9,11 @@ and is less sure). Each request's draft comes from one proposer, so the rejectio
 token as before: deterministic for the primary (suffix), the drafter's for the fallback; lossless either way.
 
 With `graft`, the fallback drafts every request, and where it drafts a tree (greedy requests) the primary's chain
-joins it as one more branch (tree.graft_chain): the tree's least likely nodes make room for it, and the verify walks
-whichever path the target's text follows. Suffix decoding is right where text repeats (a request's own earlier
-output, its prompt), a block drafter where it follows from the context's meaning, and a tree holds both. A chain
-from the fallback (a sampling request) is routed as above. A chain as long as the grafted tree would keep outranks
+joins it as one more branch (tree.graft_chain): the tree's least likely nodes make room for it (or, with
+`graft_by_confidence`, each chain node competes with the tree's by the product of the primary's confidences down to
+it), and the verify walks whichever path the target's text follows. Suffix decoding is right where text repeats (a
+request's own earlier output, its prompt), a block drafter where it follows from the context's meaning, and a tree
+holds both. A chain from the fallback (a sampling request) is routed as above. A chain as long as the grafted tree would keep outranks
 all of it, so the fallback does not draft that request; the chain is verified alone, and with num_spec_tokens above
 the tree's size it may run past it while the primary stays sure (`long_chain_min_confidence`: text that repeats a
 whole sentence or list item).
@@ -25,6 +26,8 @@ Owns: routing requests between the two and merging their stats. Ignores: how eit
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +43,8 @@ from lab.spec.tree import graft_chain
 
 class CascadeProposer:
     def __init__(self, primary: Proposer, fallback: Proposer, fallback_num_spec_tokens: int,
-                 graft: bool = False, long_chain_min_confidence: float = 0.0) -> None:
+                 graft: bool = False, long_chain_min_confidence: float = 0.0,
+                 graft_by_confidence: bool = False) -> None:
         if primary.feature_layers:
             raise LabError("the cascade's primary proposer must not read target features",
                            "put the feature drafter (eagle, dflash) in engine.proposer.fallback")
@@ -54,6 +58,7 @@ class CascadeProposer:
                            f"{long_chain_min_confidence}", "e.g. 0.3 (suffix decoding's own min_confidence), or 0 "
                            "to keep every draft up to num_spec_tokens")
         self.long_chain_min_confidence = long_chain_min_confidence
+        self.graft_by_confidence = graft_by_confidence
         if graft and not getattr(fallback, "drafts_trees", False):
             raise LabError("engine.proposer.graft grafts the primary's chain onto the fallback's trees of drafts, but "
                            "this fallback drafts chains", "give the fallback trees (engine.proposer.fallback.tree_nodes "
@@ -118,8 +123,11 @@ class CascadeProposer:
                 # NOTE: a tree without path probabilities ranks its nodes in depth-first order, as Draft.fit cuts it
                 num_nodes = len(tree.token_ids)
                 ranks = tree.path_probs or [1.0 - node / (num_nodes + 1) for node in range(num_nodes)]
+                chain_probs = (list(itertools.accumulate(chain.confidence, operator.mul))
+                               if self.graft_by_confidence and chain.confidence is not None
+                               and tree.path_probs is not None else None)
                 token_ids, parents, ranks, grafted = graft_chain(tree.token_ids, tree.parents, ranks,
-                                                                 chain.token_ids, max_nodes)
+                                                                 chain.token_ids, max_nodes, chain_probs)
                 tree = Draft(token_ids, None, parents, path_probs=ranks if tree.path_probs is not None else None)
                 self.num_grafted_drafts += grafted > 0
                 self.num_grafted_tokens += grafted
@@ -162,6 +170,7 @@ class CascadeProposerConfig:
     fallback_num_spec_tokens: int = 2
     graft: bool = False
     long_chain_min_confidence: float = 0.0
+    graft_by_confidence: bool = False
 
     def kv_bytes_per_token(self, target: Any) -> int:
         """What both proposers keep per target KV slot."""
@@ -176,4 +185,5 @@ class CascadeProposerConfig:
             raise LabError(f"engine.proposer.fallback_num_spec_tokens must be >= 0, got {self.fallback_num_spec_tokens}",
                            "use 0 (primary only) to num_spec_tokens")
         return CascadeProposer(self.primary.build(target, kv), self.fallback.build(target, kv),
-                               self.fallback_num_spec_tokens, self.graft, self.long_chain_min_confidence)
+                               self.fallback_num_spec_tokens, self.graft, self.long_chain_min_confidence,
+                               self.graft_by_confidence)

@@ -236,25 +236,32 @@ def grow_redrafts(candidates: list[Candidates], max_nodes: int, min_prob: float,
     return out
 
 
-def graft_chain(token_ids: list[int], parents: list[int], path_probs: list[float], chain: list[int],
-                max_nodes: int) -> tuple[list[int], list[int], list[float], int]:
+def graft_chain(token_ids: list[int], parents: list[int], path_probs: list[float], chain: list[int], max_nodes: int,
+                chain_probs: list[float] | None = None) -> tuple[list[int], list[int], list[float], int]:
     """A tree (token_ids, parents, path_probs) with `chain` (another proposer's drafts, e.g. suffix decoding's)
     grafted on from the root: the chain follows the tree's nodes while they spell it, and goes on as new nodes where
-    they stop. A grafted node is as likely as its parent (the chain's proposer drafts only where it is sure), so the
-    whole chain is kept when the tree is cut back to its `max_nodes` likeliest nodes, the tree's least likely ones
-    leaving for it -> (token_ids, parents, path_probs) in depth-first order, the number of nodes grafted."""
+    they stop. Without `chain_probs` a grafted node is as likely as its parent (the chain's proposer drafts only
+    where it is sure), so the whole chain is kept when the tree is cut back to its `max_nodes` likeliest nodes, the
+    tree's least likely ones leaving for it. With `chain_probs` (the chain's own path probability at each token) a
+    chain node ranks by it (the larger of the two where the tree has the node too), and the cut keeps the
+    `max_nodes` likeliest of both -> (token_ids, parents, path_probs) in depth-first order, the number of nodes
+    grafted."""
     children = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, token_ids))}
     token_ids, parents, path_probs = list(token_ids), list(parents), list(path_probs)
     node, grafted = ROOT, 0
-    for token in chain[:max_nodes]:
+    for depth, token in enumerate(chain[:max_nodes]):
         if (node, token) in children:
             node = children[node, token]
+            if chain_probs is not None:
+                path_probs[node] = max(path_probs[node], chain_probs[depth])
             continue
-        path_probs.append(1.0 if node == ROOT else path_probs[node])
+        path_probs.append((1.0 if node == ROOT else path_probs[node]) if chain_probs is None else chain_probs[depth])
         token_ids.append(token)
         parents.append(node)
         node, grafted = len(token_ids) - 1, grafted + 1
-    if len(token_ids) > max_nodes:
+    if len(token_ids) > max_nodes and chain_probs is not None:
+        token_ids, parents, path_probs = cut(token_ids, parents, path_probs, likeliest(parents, path_probs, max_nodes))
+    elif len(token_ids) > max_nodes:
         # NOTE: the chain ranks above every node of the tree that is not on it (ties go to the earlier node)
         ranks = [2.0 if rank_above else p for p, rank_above in zip(path_probs, on_path(parents, node))]
         token_ids, parents, path_probs = cut(token_ids, parents, path_probs, likeliest(parents, ranks, max_nodes))
