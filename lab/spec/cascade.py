@@ -13,10 +13,10 @@ joins it as one more branch (tree.graft_chain): the tree's least likely nodes ma
 `graft_by_confidence`, each chain node competes with the tree's by the product of the primary's confidences down to
 it), and the verify walks whichever path the target's text follows. Suffix decoding is right where text repeats (a
 request's own earlier output, its prompt), a block drafter where it follows from the context's meaning, and a tree
-holds both. A chain from the fallback (a sampling request) is routed as above. A chain as long as the grafted tree would keep outranks
-all of it, so the fallback does not draft that request; the chain is verified alone, and with num_spec_tokens above
-the tree's size it may run past it while the primary stays sure (`long_chain_min_confidence`: text that repeats a
-whole sentence or list item).
+holds both. A chain from the fallback (a sampling request) is routed as above. A chain as long as the grafted tree
+would keep outranks all of it, so the fallback does not draft that request; the chain is verified alone, and with
+num_spec_tokens above the tree's size it may run past it while the primary stays sure (`long_chain_min_confidence`:
+text that repeats a whole sentence or list item).
 
 The fallback is called only for some steps, so it must catch up on the tokens accepted meanwhile; EAGLE
 and DFlash do (they keep the draft KV of every position fed real target features and run the rest).
