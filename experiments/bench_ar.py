@@ -165,7 +165,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace) -> DtypeResult:
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", weight_blocks="off"), name="ar-fp32"))
     if runner.block_kernel == "amx":   # NOTE: the AVX blocks (bit-identical to fp32) against the AMX tiles
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", block_kernel="avx"), name="ar-avx"))
-    if runner.huge_page_bytes:         # NOTE: the same blocks on the allocator's 4 KiB pages (model.huge_pages)
+    if runner.use_huge_pages:          # NOTE: the same blocks on the allocator's 4 KiB pages (model.huge_pages)
         engines.append(AREngine(ModelRunner(smollm2(), dtype=dtype, device="cpu", huge_pages="off"), name="ar-4k"))
     if args.llama_cpp and dtype == "float32":
         engines.append(LlamaCppDecoder(torch.get_num_threads(), args.prompt_len + args.new_tokens + 8))

@@ -1,17 +1,15 @@
-"""Streamed weights and KV caches on 2 MiB pages (Linux transparent huge pages).
+"""Streamed weights on 2 MiB pages (Linux transparent huge pages).
 
-Owns: anonymous mappings advised MADV_HUGEPAGE: one per model that the tensors a decode step streams (the GGUF blocks
-of lab/models/weight_blocks.py, a drafter's fp16 copies) are copied into, in the order the forward reads them, and one
-per KV cache that its layers' K and V tensors are carved from; and reading back how much of one the kernel really
-backs with huge pages. Ignores: what the tensors hold.
+Owns: one anonymous mapping per model, advised MADV_HUGEPAGE, that the tensors a decode step streams (the GGUF
+blocks of lab/models/weight_blocks.py, a drafter's fp16 copies) are copied into, in the order the forward reads
+them; and reading back how much memory the kernel really backs with huge pages. Ignores: what the tensors hold.
 
 NOTE: why. Batch-1 decode streams SmolLM2's ~96 MB of blocks once a step. On 4 KiB pages that is ~24k pages, each a
 TLB miss, and in a virtual machine a miss walks two page tables (the guest's and the host's). PyTorch's CPU allocator
 takes 64-byte-aligned blocks from malloc, so the weights lie on 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1 (only for
 tensors >= 2 MiB; most of a layer's blocks are smaller). On 2 MiB pages the same bytes are ~48 pages: `ar` ran
-~9 % faster on this machine, with the same output (docs/benchmarks.md, "2 MiB pages"). A step also reads its
-context's K and V in every layer (~46 KB a token for SmolLM2), which at a few hundred tokens is another few thousand
-pages.
+~9 % faster on this machine, with the same output (docs/benchmarks.md, "2 MiB pages"). The KV caches stay on the
+allocator's pages: on 2 MiB pages the paged engine ran ~10 % slower (its pool is written while requests run).
 """
 
 from __future__ import annotations
@@ -90,17 +88,20 @@ def move(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return moved
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[torch.Tensor]:
-    """`count` zero tensors of `shape` and `dtype` back to back in one allocate()d mapping (a fresh anonymous mapping
-    reads as zeros, and its pages are committed only as they are first written)."""
-    size = _round_up(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size(), _ALIGN)
-    arena = allocate(size * count)
-    return [arena[i * size:(i + 1) * size].view(dtype)[:torch.Size(shape).numel()].view(shape) for i in range(count)]
+def process_huge_page_bytes() -> int:
+    """How many bytes of this process's memory the kernel backs with huge pages now (AnonHugePages in
+    /proc/self/smaps_rollup): the streamed weights moved here; 0 where that cannot be read."""
+    try:
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("AnonHugePages:")), 0)
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """How many bytes of the mapping that holds `tensor` the kernel backs with huge pages now (AnonHugePages in
-    /proc/self/smaps); 0 where that cannot be read."""
+    /proc/self/smaps); 0 where that cannot be read. NOTE: the kernel merges neighbouring mappings of the same kind
+    into one, so this may count other huge-page mappings beside it."""
     address = tensor.data_ptr()
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()

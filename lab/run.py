@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
+from lab import huge_pages
 from lab.config_check import check_call, check_group, check_target_config, check_value, checked_kwargs
 from lab.engines.base import Engine, RunResult
 from lab.metrics.summary import check_slo, summarize
@@ -268,7 +269,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,
             "weight_blocks_max_rows": runner.model.block_max_rows if runner.block_linears else 0,
             "weight_blocks_kernel": runner.block_kernel if runner.block_linears else "none",
-            "weight_huge_page_bytes": runner.huge_page_bytes,
+            "huge_page_bytes": huge_pages.process_huge_page_bytes(),
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)

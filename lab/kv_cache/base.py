@@ -11,8 +11,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from lab import huge_pages as huge_page_mappings
-
 
 class AttentionCache(Protocol):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -21,17 +19,6 @@ class AttentionCache(Protocol):
         q (B, T, Hq, D), k/v (B, T, Hkv, D) -> out (B, T, Hq, D).
         """
         ...
-
-
-def layer_tensors(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, num_layers: int,
-                  huge_pages: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Zeroed K and V tensors of `shape` for each of `num_layers` layers; with `huge_pages` (CPU only) all of them
-    carved from one mapping on 2 MiB pages (lab/huge_pages.py), layer by layer, K before V."""
-    if huge_pages and torch.device(device).type == "cpu":
-        tensors = huge_page_mappings.zeros(shape, dtype, 2 * num_layers)
-        return tensors[0::2], tensors[1::2]
-    return ([torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)])
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

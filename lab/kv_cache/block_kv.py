@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.kv_cache.base import layer_tensors
 from lab.kv_cache.block_attention import make_backend
 from lab.kv_cache.tree_mask import NO_HIDDEN, tree_layout
 from lab.models import native_gemv
@@ -55,15 +54,14 @@ class StepIndex:
 
 class BlockKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, backend: str = "fast", scratch_block: bool = False,
-                 huge_pages: bool = False) -> None:
-        """`huge_pages`: K and V on 2 MiB pages (lab/huge_pages.py; CPU only), else the allocator's."""
+                 dtype: torch.dtype, device: torch.device, backend: str = "fast", scratch_block: bool = False) -> None:
         # NOTE: with `scratch_block`, one block past the pool's `num_blocks` that no request ever owns: the
         # padding rows of a fixed-shape decode step (a CUDA graph's) write their keys there.
         shape = (num_kv_heads, num_blocks + int(scratch_block), block_size, head_dim)
         # NOTE: zeros, not empty: padded keys are masked, but a NaN bit pattern in them would still
         # poison SDPA's sums.
-        self.k, self.v = layer_tensors(shape, dtype, device, num_layers, huge_pages)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device

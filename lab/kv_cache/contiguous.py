@@ -10,16 +10,16 @@ import math
 
 import torch
 
-from lab.kv_cache.base import layer_tensors, sdpa
+from lab.kv_cache.base import sdpa
 from lab.models import native_gemv
 
 
 class ContiguousKVCache:
     def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, huge_pages: bool = False) -> None:
-        """`huge_pages`: K and V on 2 MiB pages (lab/huge_pages.py; CPU only), else the allocator's."""
+                 dtype: torch.dtype, device: torch.device) -> None:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
-        self.k, self.v = layer_tensors(shape, dtype, device, num_layers, huge_pages)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
         self.start = 0                               # write offset of this forward
         self.num_tokens = 0                          # tokens this forward appends

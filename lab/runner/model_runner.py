@@ -48,9 +48,8 @@ class ModelRunner:
         rounding), "avx" through the AVX kernel (bit-identical to the fp32 weights), "auto" = amx where the CPU has
         AMX-BF16, else avx. `block_rows`: the most rows such a forward may have, "auto" = 64 on tiles, else
         measured here at load (lab/models/block_rows.py), or an integer from 1 to 64. `huge_pages`: "auto" moves
-        the blocks onto 2 MiB pages where Linux offers them, and allocates the KV caches there (lab/huge_pages.py:
-        fewer TLB misses a step, the same values), "on" the same or an error, "off" leaves both on the allocator's
-        pages (A/B runs)."""
+        the blocks onto 2 MiB pages where Linux offers them (lab/huge_pages.py: fewer TLB misses a step, the same
+        values), "on" the same or an error, "off" leaves them on the allocator's pages (A/B runs)."""
         wants_huge_pages = huge_pages_module.resolve(huge_pages)
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
@@ -136,13 +135,6 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in params.values())
 
     @property
-    def huge_page_bytes(self) -> int:
-        """Bytes of the streamed blocks that the kernel backs with 2 MiB pages now (model.huge_pages; 0 where they lie
-        on the allocator's pages)."""
-        pairs = self.model.block_pairs() if self.use_huge_pages else []
-        return huge_pages_module.huge_page_bytes(pairs[0][1]) if pairs else 0
-
-    @property
     def streamed_weight_bytes(self) -> int:
         """weight_bytes with every projection that streams GGUF blocks counted at its blocks' size: the bytes a
         batch-1 decode step reads, as weight_bytes is for fp32 weights."""
@@ -157,7 +149,7 @@ class ModelRunner:
     def allocate_kv_cache(self, batch_size: int, max_len: int) -> ContiguousKVCache:
         c = self.config
         return ContiguousKVCache(c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim,
-                                 self.dtype, self.device, huge_pages=self.use_huge_pages)
+                                 self.dtype, self.device)
 
     def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast",
                                 scratch_block: bool = False) -> BlockKVCache:
@@ -165,7 +157,7 @@ class ModelRunner:
         scratch block for padding rows if asked (CUDA-graph decode steps)."""
         c = self.config
         return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
-                            self.device, backend, scratch_block, huge_pages=self.use_huge_pages)
+                            self.device, backend, scratch_block)
 
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,

@@ -42,7 +42,7 @@ class EagleProposer(FeatureProposer):
         # NOTE: the head's own KV (one layer), as many blocks as the target's; the native paged kernel for its
         # few-token steps (as the target's decode), SDPA otherwise.
         cache = BlockKVCache(1, c.num_kv_heads, c.head_dim, num_blocks, block_size, target.dtype, target.device,
-                             backend="native", huge_pages=target.use_huge_pages)
+                             backend="native")
         self.kv = DraftKV(cache, num_blocks, block_size)
 
     def free(self, request_id: str) -> None:
