@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 import torch
 
+from lab import huge_pages as huge_pages_module
 from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
-from lab import huge_pages as huge_pages_module
 from lab.models import native_gemv, native_tiles
 from lab.models.block_rows import measure_block_rows
 from lab.models.config import DecoderConfig

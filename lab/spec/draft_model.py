@@ -107,7 +107,8 @@ class DraftModelProposerConfig:
         if self.source is None:
             raise LabError("proposer=draft_model needs a draft model", "set engine.proposer.source (e.g. the tiny model)")
         dtype = self.dtype or str(target.dtype).removeprefix("torch.")
-        draft = ModelRunner(self.source, dtype=dtype, device=str(target.device))
+        draft = ModelRunner(self.source, dtype=dtype, device=str(target.device),
+                            huge_pages="auto" if target.use_huge_pages else "off")   # NOTE: as the target's
         if draft.vocab_size != target.vocab_size:
             raise LabError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})",
                            "use a draft that shares the target's tokenizer")
