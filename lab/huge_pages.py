@@ -96,23 +96,3 @@ def process_huge_page_bytes() -> int:
     except OSError:
         return 0
     return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("AnonHugePages:")), 0)
-
-
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mapping that holds `tensor` the kernel backs with huge pages now (AnonHugePages in
-    /proc/self/smaps); 0 where that cannot be read. NOTE: the kernel merges neighbouring mappings of the same kind
-    into one, so this may count other huge-page mappings beside it."""
-    address = tensor.data_ptr()
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return 0
-    inside = False
-    for line in lines:
-        head = line.split(maxsplit=1)[0] if line else ""
-        if "-" in head and ":" not in head:         # NOTE: a mapping's first line: "start-end perms ..."
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0

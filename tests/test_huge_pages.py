@@ -4,6 +4,8 @@ on the allocator's pages; a bad or impossible setting is refused with the fix.""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -30,6 +32,20 @@ def _assert_back_to_back(tensors: list[torch.Tensor]) -> None:
     assert span <= padded, (span, padded)
 
 
+def _mapping_huge_page_bytes(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mapping that holds `tensor` (/proc/self/smaps). NOTE: the kernel merges neighbouring
+    mappings of the same kind, so this may count other huge-page mappings beside it."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and ":" not in head:         # NOTE: a mapping's first line: "start-end perms ..."
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def test_moved_tensors_keep_their_values_shapes_and_dtypes_back_to_back() -> None:
     generator = torch.Generator().manual_seed(0)
     tensors = [torch.randint(0, 255, (300, 72), dtype=torch.uint8, generator=generator),
@@ -48,9 +64,9 @@ def test_moved_tensors_keep_their_values_shapes_and_dtypes_back_to_back() -> Non
 def test_linux_backs_the_mapping_with_huge_pages() -> None:
     """NOTE: the kernel's own count (AnonHugePages in /proc/self/smaps) for the mapping, not just the madvise."""
     moved = huge_pages.move([torch.ones(6 << 20, dtype=torch.uint8)])
-    assert huge_pages.huge_page_bytes(moved[0]) >= 4 << 20, huge_pages.huge_page_bytes(moved[0])
-    assert huge_pages.huge_page_bytes(torch.ones(8)) == 0, "the allocator's small tensors are not on huge pages"
-    assert huge_pages.process_huge_page_bytes() >= huge_pages.huge_page_bytes(moved[0])
+    assert _mapping_huge_page_bytes(moved[0]) >= 4 << 20, _mapping_huge_page_bytes(moved[0])
+    assert _mapping_huge_page_bytes(torch.ones(8)) == 0, "the allocator's small tensors are not on huge pages"
+    assert huge_pages.process_huge_page_bytes() >= _mapping_huge_page_bytes(moved[0])
 
 
 @needs_kernel
@@ -62,8 +78,8 @@ def test_a_model_streams_its_blocks_from_huge_pages_and_decodes_bit_identically(
     assert on.use_huge_pages == huge_pages.available() and not off.use_huge_pages
     if on.use_huge_pages:
         _assert_back_to_back([blocks for _, blocks in on.model.block_pairs()])
-        assert huge_pages.huge_page_bytes(on.model.block_pairs()[0][1]) > 0
-    assert huge_pages.huge_page_bytes(off.model.block_pairs()[0][1]) == 0
+        assert _mapping_huge_page_bytes(on.model.block_pairs()[0][1]) > 0
+    assert _mapping_huge_page_bytes(off.model.block_pairs()[0][1]) == 0
     caches = [runner.allocate_kv_cache(1, 64) for runner in (on, off)]
     prompt = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(0))
     for cache in caches:

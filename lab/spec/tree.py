@@ -259,11 +259,10 @@ def graft_chain(token_ids: list[int], parents: list[int], path_probs: list[float
         token_ids.append(token)
         parents.append(node)
         node, grafted = len(token_ids) - 1, grafted + 1
-    if len(token_ids) > max_nodes and chain_probs is not None:
-        token_ids, parents, path_probs = cut(token_ids, parents, path_probs, likeliest(parents, path_probs, max_nodes))
-    elif len(token_ids) > max_nodes:
-        # NOTE: the chain ranks above every node of the tree that is not on it (ties go to the earlier node)
-        ranks = [2.0 if rank_above else p for p, rank_above in zip(path_probs, on_path(parents, node))]
+    if len(token_ids) > max_nodes:
+        # NOTE: without chain_probs the chain ranks above every node of the tree off it (ties go to the earlier node)
+        ranks = path_probs if chain_probs is not None else [
+            2.0 if rank_above else p for p, rank_above in zip(path_probs, on_path(parents, node))]
         token_ids, parents, path_probs = cut(token_ids, parents, path_probs, likeliest(parents, ranks, max_nodes))
     return (*depth_first(token_ids, parents, path_probs), grafted)
 
