@@ -150,6 +150,31 @@ def test_decodes_split_into_length_groups_still_equal_ar(tiny_runner: ModelRunne
     assert_nothing_held(engine)
 
 
+def test_attention_does_not_depend_on_how_sdpa_lays_out_its_output(
+        tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+        tiny_case: tuple[list[list[int]], list[list[int]]]) -> None:
+    """CUDA's SDPA kernels return (B, H, T, D) laid out as (B, T, H, D). A .view() that merged the heads failed
+    every mixed step on the GPU (session 45, `scripts/gpu_train.sh stage`'s gpu tests); here SDPA returns that layout
+    on CPU, and every engine step must still give `ar`'s tokens."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def heads_last(*args: object, **kwargs: object) -> torch.Tensor:
+        out = sdpa(*args, **kwargs)                                                       # (..., H, T, D)
+        return out.transpose(-3, -2).contiguous().transpose(-3, -2)                     # same values, heads last
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", heads_last)
+    prompts, references = tiny_case
+    for name in ("cb_paged", "cb_paged_fast", "cb_paged_chunked", "cb_slots"):
+        engine = ENGINES[name](tiny_runner)
+        result = engine.run(make_requests(prompts, MAX_TOKENS, ignore_eos=True))
+        for request, reference in zip(result.requests, references):
+            assert request.status is RequestStatus.FINISHED_LENGTH, f"{name}/{request.request_id}: {request.error}"
+            assert_matches_ar(tiny_runner, request, reference, f"{name}/heads-last SDPA")
+        assert_nothing_held(engine)
+
+
 def test_decode_groups_cut_where_lengths_drop() -> None:
     from lab.kv_cache.split_attention import split_decode_groups
 

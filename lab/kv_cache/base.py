@@ -32,7 +32,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
         group = num_heads // num_kv_heads
         folded = q.view(batch, num_kv_heads, group, head_dim)                   # (B, Hkv, G, D)
         out = F.scaled_dot_product_attention(folded, k, v)                      # (B, Hkv, G, D)
-        return out.view(batch, num_heads, 1, head_dim)
+        return out.reshape(batch, num_heads, 1, head_dim)   # NOTE: CUDA's SDPA may lay heads out last
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
                                           enable_gqa=num_heads != num_kv_heads)
 

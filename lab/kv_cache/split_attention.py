@@ -256,7 +256,8 @@ def _chunk(cache: BlockKVCache, chunk: ChunkMeta, layer_idx: int, q: torch.Tenso
     if chunk.folded_mask is None:   # NOTE: once a step, every layer reuses it
         chunk.folded_mask = _fold_mask(chunk.mask, group)
     out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=chunk.folded_mask)
-    return out.view(num_heads, num_query, head_dim).transpose(0, 1)                          # (T, Hq, D)
+    # NOTE: reshape: CUDA's SDPA kernels return (1, Hkv, G*T, D) laid out as (1, G*T, Hkv, D), which no view merges
+    return out.reshape(num_heads, num_query, head_dim).transpose(0, 1)                       # (T, Hq, D)
 
 
 def _chunk_kv(store: torch.Tensor, chunk: ChunkMeta, num_keys: int) -> torch.Tensor:
