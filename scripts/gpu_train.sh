@@ -10,7 +10,7 @@
 #                run(command="GPU_TRAIN_SECONDS=S bash scripts/gpu_train.sh train", carry=[".gpu_train/2"],
 #                    timeout_s=S+20)
 #   afterwards:  git reset -q -- checkpoints, drop that line from .git/info/exclude; then
-#                cat <files_at>/dflash_gpu.pt.* > checkpoints/smollm2/dflash_gpu.pt and measure its tau here
+#                cat <files_at>/dflash_gpu_<date>.pt.* > checkpoints/smollm2/<name>.pt and measure its tau here
 #                (experiments/dflash_offsets.py --walk) before making it a default.
 # `stage` keeps the part it was carried in /tmp (the machine stays the same while warm); `train` puts the parts
 # together (checked against their SHA-256), installs the wheels, lets the target answer the prompts (greedy, our
@@ -68,8 +68,9 @@ init=$(ls "$bundle"/init/*.pt 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/train.log"
 if [ $# -eq 0 ]; then
   # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to 4000
-  # ShareGPT prompts and 1000 GSM8K questions (not the benchmark's 256), 2.6x the CPU's; engine=dflash_tree's
-  # drafter (one layer, 0-3 offsets given) goes on learning from them, so the result drops in where it is used.
+  # ShareGPT prompts and 1000 GSM8K questions (not the benchmark's 256), 2.6x the CPU's; the default drafter (one
+  # layer, 0-3 offsets given) goes on learning from them, so the result drops in where it is used. Session 45 made
+  # dflash_gpu.pt this way from dflash_onpolicy_fill3.pt (973 steps in 304 s on an H100).
   [ -n "$init" ] || { echo "gpu_train: the bundle has no drafter to start from (scripts/gpu_train_pack.sh)"; exit 1; }
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
     data.max_num_seqs=512 data.kv_cache_memory_mb=16384 \
@@ -77,7 +78,7 @@ if [ $# -eq 0 ]; then
     train.init_from=checkpoints/smollm2/$(basename "$init") train.batch_size=64 train.steps=1200 \
     train.lr=1.5e-4 train.warmup_steps=50 train.weight_decay=0.05 train.val_every=200 train.log_every=50 \
     train.val_sequences=32 train.max_seconds=$(( budget - 200 )) drafter.gamma=1.5 drafter.max_fill=3 logger=none \
-    output=checkpoints/smollm2/dflash_gpu.pt
+    output=checkpoints/smollm2/dflash_gpu_$(date +%Y%m%d).pt   # NOTE: never the name it starts from (not returned)
 fi
 # NOTE: the device tool stops a call at 600 s; a SIGINT before that ends training early and still saves
 left=$(( budget - 40 - ($(date +%s) - started) ))

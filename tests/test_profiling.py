@@ -63,7 +63,7 @@ def test_torch_profiler_on_cuda_reports_kernels_and_idle_gaps(tmp_path: Path) ->
     cfg = compose_cfg(["model=tiny", "model.device=cuda", "+model.source.with_tokenizer=false",  # NOTE: no GGUF there
                        "+model.source.vocab_size=128", "workload.num_prompts=2", "workload.input_len=16",
                        "workload.output_len=6", "profiler=torch", "profiler.wait=0", "profiler.active=5",
-                       "metrics.utilization=false"])
+                       "metrics.utilization=false", "logger=none"])   # NOTE: the GPU image has no wandb
     results = run(cfg, tmp_path)
     assert (tmp_path / "kernels.txt").is_file()
     assert 0.0 <= results["profile/device_idle_share"] <= 1.0
