@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFlash drafter training on the GPU machine (issue 8's tau goal needs more data and training than a CPU gives),
 # in two device calls, since the bundled GGUF alone is over one call's 64 MiB:
-#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, 59.5 MB each)
+#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, ~62 MB each)
 #                git rm -r -q --cached checkpoints/smollm2 && echo /checkpoints/smollm2/ >> .git/info/exclude
 #   call 1:      run(command="GPU_TRAIN_TESTS=150 bash scripts/gpu_train.sh stage", carry=[".gpu_train/1"],
 #                    timeout_s=200)   (GPU_TRAIN_TESTS: seconds for the `gpu`-marked tests meanwhile; 0: none)
@@ -62,19 +62,22 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 export LAB_CACHE=${LAB_CACHE:-/tmp/lab_cache}
 mkdir -p "$LAB_CACHE/datasets" checkpoints/smollm2
 cp "$bundle"/datasets/*.jsonl "$LAB_CACHE/datasets/"
+for answers in "$bundle"/answers/*.tgz; do [ -f "$answers" ] && tar -xzf "$answers" -C "$LAB_CACHE"; done
 # NOTE: under its own name, where the recorded commands expect it, so the checkpoint's command re-creates it
 init=$(ls "$bundle"/init/*.pt 2>/dev/null | head -1)
 [ -n "$init" ] && cp "$init" checkpoints/smollm2/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/train.log"
 if [ $# -eq 0 ]; then
-  # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to 4000
-  # ShareGPT prompts and 1000 GSM8K questions (not the benchmark's 256), 2.6x the CPU's; the default drafter (one
-  # layer, 0-3 offsets given) goes on learning from them, so the result drops in where it is used. Session 45 made
-  # dflash_gpu.pt this way from dflash_onpolicy_fill3.pt (973 steps in 304 s on an H100).
+  # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to 8000
+  # ShareGPT prompts and 1000 GSM8K questions (not the benchmark's 256); the default drafter (one layer, 0-3
+  # offsets given) goes on learning from them, so the result drops in where it is used. Session 45 made
+  # dflash_gpu.pt from dflash_onpolicy_fill3.pt on the first 4000 and the GSM8K ones (973 steps in 304 s on an H100);
+  # their answers travel (checkpoints/smollm2/dflash_gpu_answers.tgz), so only the next 4000 are generated (~150 s).
   [ -n "$init" ] || { echo "gpu_train: the bundle has no drafter to start from (scripts/gpu_train_pack.sh)"; exit 1; }
+  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.4}"   # prompts 4000-7999
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
     data.max_num_seqs=512 data.kv_cache_memory_mb=16384 \
-    'data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.3}]' \
+    "data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.25},$more_sharegpt]" \
     train.init_from=checkpoints/smollm2/$(basename "$init") train.batch_size=64 train.steps=1200 \
     train.lr=1.5e-4 train.warmup_steps=50 train.weight_decay=0.05 train.val_every=200 train.log_every=50 \
     train.val_sequences=32 train.max_seconds=$(( budget - 200 )) drafter.gamma=1.5 drafter.max_fill=3 logger=none \

