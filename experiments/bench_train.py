@@ -5,6 +5,7 @@ batch size, on the device asked for. scripts/gpu_check.sh runs it on the GPU; ru
     python experiments/bench_train.py --device cpu --threads 2 --batches 4 --steps 12
     python experiments/bench_train.py --device cuda --batches 4,16,64
     python experiments/bench_train.py --device cuda --features online   # the target's forward in every step
+    python experiments/bench_train.py --device cuda --features online --matmul-precision high   # in TF32
 
 The target is random-init (no weights travel to a GPU machine) and its "answers" are random token ids, so the
 losses mean nothing; the work per step (target features from the cache, the drafter's forward and backward
@@ -54,12 +55,12 @@ def write_answers(cache_dir: Path, data: DataConfig, seq_len: int, vocab_size: i
 
 
 def seconds_per_step(kind: str, runner: ModelRunner, batch: int, steps: int, seq_len: int, num_seqs: int,
-                     workdir: Path, features: str = "cached") -> float:
+                     workdir: Path, features: str = "cached", matmul_precision: str = "highest") -> float:
     """Mean wall seconds of steps 3..steps, read off the recipe's own step callback (its log lines)."""
     data = DataConfig(num_prompts=num_seqs, features=features)
     write_answers(workdir, data, seq_len, runner.vocab_size)
     train = TrainConfig(steps=steps, batch_size=batch, warmup_steps=1, max_seq_len=seq_len, val_sequences=4,
-                        log_every=1, val_every=0)
+                        log_every=1, val_every=0, matmul_precision=matmul_precision)
     marks: list[float] = []
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
 
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (train.max_seq_len)")
     parser.add_argument("--features", default="cached", choices=["cached", "online"], help="data.features")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                        help="train.matmul_precision (high: TF32 on CUDA)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=None)
@@ -94,14 +97,16 @@ def main() -> None:
     runner = ModelRunner(tiny(seed=0, with_tokenizer=False, **SMOLLM2_SHAPE), dtype="float32", device=args.device)
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench_train: {name}, torch {torch.__version__}, target of SmolLM2-135M's shape (random init), fp32, "
-          f"{args.seq_len}-token sequences, features {args.features}, {args.steps} steps (2 untimed)")
+          f"{args.seq_len}-token sequences, features {args.features}, matmul precision {args.matmul_precision}, "
+          f"{args.steps} steps (2 untimed)")
     rows = []
     for kind in args.kinds.split(","):
         for batch in [int(b) for b in args.batches.split(",")]:
             with tempfile.TemporaryDirectory() as workdir:
                 seconds = seconds_per_step(kind, runner, batch, args.steps, args.seq_len, batch + 8, Path(workdir),
-                                           args.features)
-            rows.append({"kind": kind, "batch": batch, "features": args.features, "s_per_step": seconds,
+                                           args.features, args.matmul_precision)
+            rows.append({"kind": kind, "batch": batch, "features": args.features,
+                         "matmul_precision": args.matmul_precision, "s_per_step": seconds,
                          "tokens_per_s": batch * args.seq_len / seconds, "steps_per_hour": 3600 / seconds})
             print(f"  {kind} batch {batch}: {seconds * 1e3:.0f} ms/step", flush=True)
     print("\n| drafter | batch | ms / step | tokens / s | steps / hour |")

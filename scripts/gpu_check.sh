@@ -45,8 +45,10 @@ done
 # 2.20 on GSM8K / MT-Bench is measured on CPU; what its step costs on a GPU decides its speedup there)
 timeout 60 python3 experiments/bench_decode_graphs.py --shapes smollm2 --batches 1 --spec-tokens 7 --tree-nodes 62 \
   --out "$out/verify_graphs_tree62.json" 2>&1 | tee -a "$log" || status=1
-timeout 60 python3 experiments/bench_train.py --device cuda --kinds dflash --batches 16,64 --features online \
-  2>&1 | tee -a "$log" || status=1
+for precision in highest high; do   # train.matmul_precision: gpu_train.sh's recipe trains in TF32 (high)
+  timeout 50 python3 experiments/bench_train.py --device cuda --kinds dflash --batches 16,64 --features online \
+    --matmul-precision $precision 2>&1 | tee -a "$log" || status=1
+done
 timeout 100 python3 experiments/bench_train.py --device cuda --kinds dflash,eagle --batches 4,16,64 \
   --out "$out/train.json" 2>&1 | tee -a "$log" || status=1
 for model in smollm2 llama-1b; do

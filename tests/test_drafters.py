@@ -198,6 +198,8 @@ def test_a_time_budget_ends_training_like_a_signal(trained: dict, tiny_runner: M
     assert command == f"test && lab-train train.steps=40 train.stop_after={metrics['steps']}"
     with pytest.raises(LabError, match="max_seconds must be > 0"):
         TrainConfig(max_seconds=0)
+    with pytest.raises(LabError, match="matmul_precision must be one of highest, high, medium, got 'tf32'"):
+        TrainConfig(matmul_precision="tf32")
 
 
 def test_deepened_dflash_first_drafts_what_the_checkpoint_did(trained: dict, tiny_runner: ModelRunner,
@@ -1326,20 +1328,26 @@ def test_lab_train_is_one_wandb_run_with_its_curves(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
 @pytest.mark.parametrize("features", ["cached", "online"])
-def test_training_runs_where_the_target_is(kind: str, device: str, features: str, tmp_path: Path) -> None:
+def test_training_runs_where_the_target_is(kind: str, device: str, features: str, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The target on `device`: batches move there from the cached CPU features (or the target computes them
     there per batch, data.features=online, and nothing is cached), the loss falls, and the checkpoint loads on
-    the CPU."""
+    the CPU. train.matmul_precision=high trains in TF32 on CUDA only, and the setting is restored after."""
     runner = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device=device)
     result = AREngine(runner).run(make_requests(_prompts(24, seed=3), 24, ignore_eos=True))
     data = DataConfig(num_prompts=24, features=features)
     (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps(
         [{"token_ids": r.all_token_ids, "prompt_len": r.num_prompt_tokens} for r in result.requests]))
     train = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, max_seq_len=96, val_sequences=8,
-                        log_every=1000, val_every=0)
+                        log_every=1000, val_every=0, matmul_precision="high")
+    seen: list[str] = []
+    set_precision = torch.set_float32_matmul_precision
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (seen.append(p), set_precision(p))[1])
+    before = torch.get_float32_matmul_precision()
     metrics = train_drafter(kind, runner, data, train, dict(OPTIONS[kind]), tmp_path / "d.pt", "test", tmp_path,
                             log=lambda _: None)
     assert metrics["train/last_loss"] < metrics["train/first_loss"], metrics
+    assert seen[0] == ("high" if device == "cuda" else "highest") and torch.get_float32_matmul_precision() == before
     assert bool(list(tmp_path.glob("features-*"))) == (features == "cached")
     cpu_target = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
     load_drafter(tmp_path / "d.pt", kind, cpu_target.model)

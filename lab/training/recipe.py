@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ from lab.training.data import DataConfig, load_corpus, online_features
 from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")   # torch.set_float32_matmul_precision's
+
+
 @dataclass(slots=True)
 class TrainConfig:
     steps: int = 600
@@ -57,6 +61,10 @@ class TrainConfig:
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
     stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
     max_seconds: float | None = None   # end once training has run this long (a leased GPU's budget), as a signal does
+    # fp32 matrix products where the target is on CUDA: highest (full fp32), high (TF32 tensor cores: a 10-bit
+    # mantissa, several times the rate), medium (bf16); the target's answers are generated before, in full fp32.
+    # A CPU always trains at highest (there "high" may mean bf16 through oneDNN).
+    matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         """Ranges the training loop relies on, checked before the target loads (a 0 would divide or train nothing)."""
@@ -67,6 +75,9 @@ class TrainConfig:
                 raise LabError(f"train.{name} must be >= {low}, got {value}", f"set train.{name} to {low} or more")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise LabError(f"train.max_seconds must be > 0, got {self.max_seconds}", "drop it or set a time budget")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise LabError(f"train.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
+                           f"got {self.matmul_precision!r}", "e.g. train.matmul_precision=high (TF32 on a GPU)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise LabError(f"train.lr must be a finite number > 0, got {self.lr}", "e.g. train.lr=5e-4")
 
@@ -257,47 +268,52 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     log(f"training {kind}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, "
         f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
     validate = lambda: evaluate_parts(drafter, loss_fn, vals, val_weights, train.max_seq_len, compute)   # noqa: E731
-    before = validate()
-    log(f"step 0 validation {json.dumps(before)}")
-    logger.log_series("val", [{"step": 0, **before}], "step")
-    start = time.perf_counter()
-    drafter.train()
-    losses: list[float] = []
-    # NOTE: the starting weights are a candidate too: a fine-tune (train.init_from) that only hurts keeps them
-    best = _Best(0, before, _state_copy(drafter))
-    steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
-    stop = _StopEarly(train.max_seconds)
-    for step in stop.steps(steps_done):
-        index = draw(train.batch_size)
-        batch = make_batch([sequences[i] for i in index], None if features is None else [features[i] for i in index],
-                           train.max_seq_len, target.device, compute)
-        for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, train.steps, train.warmup_steps, train.lr)
-        loss, metrics = loss_fn(drafter, batch, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
-        if (step + 1) % train.log_every == 0 or step == 0:
-            log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
-                f"({time.perf_counter() - start:.0f} s)")
-            logger.log_series("train", [{"step": step + 1, "loss": losses[-1], "lr": optimizer.param_groups[0]["lr"],
-                                         "seconds": time.perf_counter() - start, **metrics}], "step")
-        if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
-            best = _keep_best(best, step + 1, validate(), drafter, log, logger)
-    # NOTE: the recorded command counts steps, not seconds (a slower machine would stop elsewhere), and ends where
-    # this run did, so it still re-creates these weights
-    earlier, _, last = command.rpartition(" && ")
-    last = re.sub(r"\s*train\.max_seconds=\S+", "", last)
-    if stop.reason:
-        steps_done = stop.steps_done
-        log(f"{stop.reason}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
-        last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
-    command = f"{earlier} && {last}" if earlier else last
-    best = _keep_best(best, steps_done, validate(), drafter, log, logger)
-    drafter.load_state_dict(best.state)
-    after = best.metrics
+    precision = train.matmul_precision if torch.device(target.device).type == "cuda" else "highest"
+    if precision != train.matmul_precision:
+        log(f"train.matmul_precision={train.matmul_precision} applies on CUDA only: the CPU trains in full fp32")
+    with float32_matmul_precision(precision):
+        before = validate()
+        log(f"step 0 validation {json.dumps(before)}")
+        logger.log_series("val", [{"step": 0, **before}], "step")
+        start = time.perf_counter()
+        drafter.train()
+        losses: list[float] = []
+        # NOTE: the starting weights are a candidate too: a fine-tune (train.init_from) that only hurts keeps them
+        best = _Best(0, before, _state_copy(drafter))
+        steps_done = train.steps if train.stop_after is None else min(train.steps, train.stop_after)
+        stop = _StopEarly(train.max_seconds)
+        for step in stop.steps(steps_done):
+            index = draw(train.batch_size)
+            chosen = None if features is None else [features[i] for i in index]
+            batch = make_batch([sequences[i] for i in index], chosen, train.max_seq_len, target.device, compute)
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(step, train.steps, train.warmup_steps, train.lr)
+            loss, metrics = loss_fn(drafter, batch, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
+            optimizer.step()
+            losses.append(loss.item())
+            if (step + 1) % train.log_every == 0 or step == 0:
+                log(f"step {step + 1}/{train.steps} loss {losses[-1]:.4f} {json.dumps(_round(metrics))} "
+                    f"({time.perf_counter() - start:.0f} s)")
+                logger.log_series("train", [{"step": step + 1, "loss": losses[-1],
+                                             "lr": optimizer.param_groups[0]["lr"],
+                                             "seconds": time.perf_counter() - start, **metrics}], "step")
+            if train.val_every and (step + 1) % train.val_every == 0 and step + 1 < steps_done:
+                best = _keep_best(best, step + 1, validate(), drafter, log, logger)
+        # NOTE: the recorded command counts steps, not seconds (a slower machine would stop elsewhere), and ends
+        # where this run did, so it still re-creates these weights
+        earlier, _, last = command.rpartition(" && ")
+        last = re.sub(r"\s*train\.max_seconds=\S+", "", last)
+        if stop.reason:
+            steps_done = stop.steps_done
+            log(f"{stop.reason}: stopped after step {steps_done} of {train.steps}; saving the best weights so far")
+            last = re.sub(r"\s*train\.stop_after=\S+", "", last) + f" train.stop_after={steps_done}"
+        command = f"{earlier} && {last}" if earlier else last
+        best = _keep_best(best, steps_done, validate(), drafter, log, logger)
+        drafter.load_state_dict(best.state)
+        after = best.metrics
     kept = "the starting weights (no validated step improved on them)" if best.step == 0 else \
         f"the weights of step {best.step}"
     log(f"kept {kept}: validation {json.dumps(after)}")
@@ -310,6 +326,17 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     logger.log_summary(metrics)
     logger.log_artifact(output, f"{kind}-{output.stem}", kind="model")
     return metrics
+
+
+@contextmanager
+def float32_matmul_precision(precision: str) -> Iterator[None]:
+    """torch.set_float32_matmul_precision for the block, the previous setting back afterwards."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 Objective = Callable[[nn.Module, Batch, torch.Generator], tuple[torch.Tensor, dict[str, float]]]
