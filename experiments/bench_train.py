@@ -6,6 +6,7 @@ batch size, on the device asked for. scripts/gpu_check.sh runs it on the GPU; ru
     python experiments/bench_train.py --device cuda --batches 4,16,64
     python experiments/bench_train.py --device cuda --features online   # the target's forward in every step
     python experiments/bench_train.py --device cuda --features online --matmul-precision high   # in TF32
+    python experiments/bench_train.py --device cpu --threads 2 --batches 4,16 --matmul-precision medium   # bf16 (AMX)
 
 The target is random-init (no weights travel to a GPU machine) and its "answers" are random token ids, so the
 losses mean nothing; the work per step (target features from the cache, the drafter's forward and backward
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence (train.max_seq_len)")
     parser.add_argument("--features", default="cached", choices=["cached", "online"], help="data.features")
     parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
-                        help="train.matmul_precision (high: TF32 on CUDA)")
+                        help="train.matmul_precision (high: TF32 on CUDA; medium: bf16, on CUDA or AMX)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=None)

@@ -41,6 +41,7 @@ from lab.training.data import (DataConfig, Sequence, generate_responses, load_tr
                                reference_sequences, target_features)
 from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, make_batch,
                                  on_greedy_path)
+from lab.training.precision import cpu_has_bf16_matmul
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from lab.workloads import DatasetWorkload
 from tests.conftest import compose_cfg
@@ -1332,14 +1333,16 @@ def test_training_runs_where_the_target_is(kind: str, device: str, features: str
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The target on `device`: batches move there from the cached CPU features (or the target computes them
     there per batch, data.features=online, and nothing is cached), the loss falls, and the checkpoint loads on
-    the CPU. train.matmul_precision=high trains in TF32 on CUDA only, and the setting is restored after."""
+    the CPU. train.matmul_precision=high trains in TF32 on CUDA, medium in bf16 on a CPU with a bf16 unit (its
+    features cached apart from fp32 ones), and the setting is restored after."""
     runner = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device=device)
     result = AREngine(runner).run(make_requests(_prompts(24, seed=3), 24, ignore_eos=True))
     data = DataConfig(num_prompts=24, features=features)
     (tmp_path / f"responses-{data.key()}.json").write_text(json.dumps(
         [{"token_ids": r.all_token_ids, "prompt_len": r.num_prompt_tokens} for r in result.requests]))
     train = TrainConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=3, max_seq_len=96, val_sequences=8,
-                        log_every=1000, val_every=0, matmul_precision="high")
+                        log_every=1000, val_every=0, matmul_precision="high" if device == "cuda" else "medium")
+    expected = "high" if device == "cuda" else ("medium" if cpu_has_bf16_matmul() else "highest")
     seen: list[str] = []
     set_precision = torch.set_float32_matmul_precision
     monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda p: (seen.append(p), set_precision(p))[1])
@@ -1347,8 +1350,10 @@ def test_training_runs_where_the_target_is(kind: str, device: str, features: str
     metrics = train_drafter(kind, runner, data, train, dict(OPTIONS[kind]), tmp_path / "d.pt", "test", tmp_path,
                             log=lambda _: None)
     assert metrics["train/last_loss"] < metrics["train/first_loss"], metrics
-    assert seen[0] == ("high" if device == "cuda" else "highest") and torch.get_float32_matmul_precision() == before
-    assert bool(list(tmp_path.glob("features-*"))) == (features == "cached")
+    assert seen[0] == expected and torch.get_float32_matmul_precision() == before
+    cached = [path.name for path in tmp_path.glob("features-*")]
+    assert bool(cached) == (features == "cached")
+    assert all((f"-{expected}-" in name) == (expected != "highest") for name in cached), cached
     cpu_target = ModelRunner(tiny(seed=0, vocab_size=128, with_tokenizer=False), dtype="float32", device="cpu")
     load_drafter(tmp_path / "d.pt", kind, cpu_target.model)
 

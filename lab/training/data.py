@@ -49,6 +49,7 @@ from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
 from lab.workloads.base import SamplingDefaults
 from lab.workloads.dataset_files import load_records
+from lab.training.precision import float32_matmul_precision
 from lab.workloads.datasets import DatasetWorkload, leading_record_ids
 
 REFERENCE_SHARD = 1000   # reference conversations per features file (~1.5 GB for smollm2's 5 DFlash layers)
@@ -242,37 +243,42 @@ def online_features(runner: ModelRunner, feature_layers: tuple[int, ...]) -> Cal
     return features
 
 
-def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print
-                       ) -> tuple[list[Sequence], list[torch.Tensor] | None]:
+def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print,
+                       precision: str = "highest") -> tuple[list[Sequence], list[torch.Tensor] | None]:
     """(sequences, their target features at config.feature_layers or None with features=online), from the caches
     when present: the target's own answers first (validation takes the first few), then the reference
-    conversations."""
+    conversations. The answers are generated in fp32; the features computed at `precision` (train.matmul_precision's
+    effective setting, lab/training/precision.py), which names their cache unless it is `highest`."""
     answers = generate_responses(runner, config, cache_dir, log)
     references = (reference_sequences(runner.tokenizer, config, cache_dir, answers, log)
                   if config.reference_answers else [])
     if config.features == "online":
         return answers + references, None
-    features = cached_features(runner, answers, config.key(), config.feature_layers, cache_dir, log)
+    # NOTE: features of reduced-precision products differ from fp32 ones (~0.3 % at bf16): a cache of their own
+    tag = "" if precision == "highest" else f"-{precision}"
+    features = cached_features(runner, answers, config.key() + tag, config.feature_layers, cache_dir, log, precision)
     for start in range(0, len(references), REFERENCE_SHARD):
         shard = references[start:start + REFERENCE_SHARD]
-        key = f"{config.reference_key()}-{start}-{start + len(shard)}"
-        features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log)
+        key = f"{config.reference_key()}-{start}-{start + len(shard)}{tag}"
+        features = features + cached_features(runner, shard, key, config.feature_layers, cache_dir, log, precision)
     return answers + references, features
 
 
-def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print) -> list[CorpusPart]:
+def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print,
+                precision: str = "highest") -> list[CorpusPart]:
     """Every part of config.parts(), each loaded (and cached) as a run on its own data config would."""
     parts = []
     for part, share in config.parts():
-        sequences, features = load_training_data(runner, part, cache_dir, log)
+        sequences, features = load_training_data(runner, part, cache_dir, log, precision)
         repeats = sum(p.name.split("#")[0] == part.dataset for p in parts)
         parts.append(CorpusPart(f"{part.dataset}#{repeats}" if repeats else part.dataset, sequences, features, share))
     return parts
 
 
 def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],
-                    cache_dir: Path, log=print) -> list[torch.Tensor]:
-    """The target's features of `sequences` (cached under `key`, memory-mapped when read back) at `feature_layers`."""
+                    cache_dir: Path, log=print, precision: str = "highest") -> list[torch.Tensor]:
+    """The target's features of `sequences` (cached under `key`, memory-mapped when read back) at `feature_layers`,
+    computed with torch's float32 matmul precision `precision` where not cached."""
     wanted = [i % runner.config.num_layers for i in feature_layers]
     # NOTE: one cache serves every drafter whose layers it covers (EAGLE's last layer is among DFlash's).
     for path in sorted(cache_dir.glob(f"features-{key}-L*.pt")):
@@ -283,7 +289,8 @@ def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, fe
             columns = torch.cat([torch.arange(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in wanted])
             return [f if stored == wanted else f[:, columns] for f in features]
     start = time.perf_counter()
-    features = target_features(runner, sequences, tuple(wanted))
+    with float32_matmul_precision(precision):
+        features = target_features(runner, sequences, tuple(wanted))
     log(f"target features for {sum(len(s.token_ids) for s in sequences)} tokens in {time.perf_counter() - start:.0f} s")
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save(features, cache_dir / f"features-{key}-L{'-'.join(str(i) for i in wanted)}.pt")

@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,7 @@ from lab.models.sources import default_cache_dir
 from lab.runner import ModelRunner
 from lab.training.data import DataConfig, load_corpus, online_features
 from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
-
-
-MATMUL_PRECISIONS = ("highest", "high", "medium")   # torch.set_float32_matmul_precision's
+from lab.training.precision import MATMUL_PRECISIONS, effective_precision, float32_matmul_precision
 
 
 @dataclass(slots=True)
@@ -61,9 +58,10 @@ class TrainConfig:
     add_layers: int = 0            # DFlash with init_from: append this many layers that start as the identity
     stop_after: int | None = None  # end after this many steps of the `steps`-long schedule (an interrupted run's record)
     max_seconds: float | None = None   # end once training has run this long (a leased GPU's budget), as a signal does
-    # fp32 matrix products where the target is on CUDA: highest (full fp32), high (TF32 tensor cores: a 10-bit
-    # mantissa, several times the rate), medium (bf16); the target's answers are generated before, in full fp32.
-    # A CPU always trains at highest (there "high" may mean bf16 through oneDNN).
+    # the matrix products of the target's features and the drafter's training: highest (full fp32), high (TF32
+    # tensor cores on CUDA: a 10-bit mantissa, several times the rate; fp32 on a CPU), medium (bf16 inputs, fp32
+    # sums: on CUDA, and on a CPU with AMX or AVX512-BF16); the target's answers are generated before, in full fp32
+    # (lab/training/precision.py)
     matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
@@ -248,7 +246,10 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         p.requires_grad_(False)
     data.feature_layers = tuple(drafter.feature_layers)
     cache_dir = cache_dir or default_cache_dir() / "train" / target_fingerprint(target_model)
-    parts = load_corpus(target, data, cache_dir, log)   # features None: data.features=online
+    precision, why = effective_precision(train.matmul_precision, target.device)
+    if why:
+        log(why)
+    parts = load_corpus(target, data, cache_dir, log, precision)   # features None: data.features=online
     for part in parts:
         if len(part.sequences) <= train.val_sequences:
             raise LabError(f"only {len(part.sequences)} training sequences of {part.name}",
@@ -268,9 +269,6 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     log(f"training {kind}: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M parameters, "
         f"{len(sequences)} sequences ({sum(len(s.token_ids) for s in sequences)} tokens), {train.steps} steps")
     validate = lambda: evaluate_parts(drafter, loss_fn, vals, val_weights, train.max_seq_len, compute)   # noqa: E731
-    precision = train.matmul_precision if torch.device(target.device).type == "cuda" else "highest"
-    if precision != train.matmul_precision:
-        log(f"train.matmul_precision={train.matmul_precision} applies on CUDA only: the CPU trains in full fp32")
     with float32_matmul_precision(precision):
         before = validate()
         log(f"step 0 validation {json.dumps(before)}")
@@ -326,17 +324,6 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
     logger.log_summary(metrics)
     logger.log_artifact(output, f"{kind}-{output.stem}", kind="model")
     return metrics
-
-
-@contextmanager
-def float32_matmul_precision(precision: str) -> Iterator[None]:
-    """torch.set_float32_matmul_precision for the block, the previous setting back afterwards."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 Objective = Callable[[nn.Module, Batch, torch.Generator], tuple[torch.Tensor, dict[str, float]]]
