@@ -6,7 +6,7 @@
 # eager verify step, experiments/bench_verify.py (what a verify step of n tokens costs, for the tree-drafting
 # analysis) and experiments/bench_train.py (drafter training speed); those go into docs/speculative.md.
 #   here, once:  scripts/gpu_wheels.sh                     (hydra, omegaconf, wandb wheels into .whl/)
-#   the tree that travels must stay under 64 MiB, which the drafter checkpoints (~115 MB, unused here) are over:
+#   the tree that travels must stay under 64 MiB, which the drafter checkpoints (~127 MB, unused here) are over:
 #     git rm -r -q --cached checkpoints/smollm2 && echo /checkpoints/smollm2/ >> .git/info/exclude
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=570)
 #   afterwards:  git reset -q -- checkpoints, and drop that line from .git/info/exclude

@@ -393,7 +393,7 @@ class DFlashProposerConfig:
     then under the tree's tree_redraft likeliest 2-token paths, ... L-token paths (a forward a level; a drafter
     trained with drafter.max_fill >= L)."""
 
-    checkpoint: str | None = "checkpoints/smollm2/dflash_gpu.pt"
+    checkpoint: str | None = "checkpoints/smollm2/dflash_gpu_cpu.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
