@@ -51,7 +51,7 @@ def test_the_block_restores_the_setting_even_after_an_error() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_packed_linear_under_medium_is_torch_products(rows: int) -> None:
-    """At every row count (the native GEMV's, the blocks', the panel GEMM's) `medium` gives F.linear's values under
+    """At the native GEMV's row counts and the panel GEMM's, `medium` gives F.linear's values under
     `medium`; `highest` keeps the native fp32 result, within fp32 rounding of F.linear."""
     torch.manual_seed(rows)
     linear = PackedLinear(96, 200)

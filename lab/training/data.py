@@ -47,9 +47,9 @@ from lab.kv_cache.base import NoCache
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sched import SchedulerConfig
+from lab.training.precision import float32_matmul_precision
 from lab.workloads.base import SamplingDefaults
 from lab.workloads.dataset_files import load_records
-from lab.training.precision import float32_matmul_precision
 from lab.workloads.datasets import DatasetWorkload, leading_record_ids
 
 REFERENCE_SHARD = 1000   # reference conversations per features file (~1.5 GB for smollm2's 5 DFlash layers)
@@ -254,7 +254,7 @@ def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path,
                   if config.reference_answers else [])
     if config.features == "online":
         return answers + references, None
-    # NOTE: features of reduced-precision products differ from fp32 ones (~0.3 % at bf16): a cache of their own
+    # NOTE: features of reduced-precision products differ from fp32 ones by their rounding: a cache of their own
     tag = "" if precision == "highest" else f"-{precision}"
     features = cached_features(runner, answers, config.key() + tag, config.feature_layers, cache_dir, log, precision)
     for start in range(0, len(references), REFERENCE_SHARD):

@@ -10,13 +10,14 @@ it (`float32_matmul_precision`).
 Ignores: which products run where (lab/models/packed_linear.py yields to torch's under a reduced precision).
 
 NOTE: measured on this project's CPU (2 threads, AMX): a (2048 x 576) @ (576 x 1536) product 274 GFLOP/s in fp32,
-1450 at `medium`; a DFlash training step at batch 16 1.35 s -> 0.96 s; docs/speculative.md, session 46.
+1450 at `medium`; SmolLM2's features 2.0x faster, a DFlash training step with cached features 1.3x (batch 16: 1.34 s
+-> 1.03 s); docs/speculative.md, session 46.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
