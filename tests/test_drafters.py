@@ -1130,7 +1130,9 @@ def test_the_cpu_sized_graft_config_is_the_tree_suffix_graft_with_a_small_tree()
     tree = compose_cfg(["+experiment=crossover", "engine=dflash_tree_suffix"]).engine
     assert graft.name == "dflash_graft" and graft.proposer.graft and graft.proposer.primary == tree.proposer.primary
     assert (graft.proposer.fallback.tree_nodes, graft.proposer.fallback.tree_redraft) == (4, 0)
-    assert graft.proposer.fallback.checkpoint == tree.proposer.fallback.checkpoint
+    dflash, own_tree = (compose_cfg(["+experiment=crossover", f"engine={e}"]).engine for e in ("dflash", "dflash_tree"))
+    assert graft.proposer.fallback.checkpoint == dflash.proposer.checkpoint   # the graft: the chain's drafter
+    assert tree.proposer.fallback.checkpoint == own_tree.proposer.checkpoint   # the 62-node tree: the tree's
     assert (graft.num_spec_tokens, tree.num_spec_tokens) == (12, 7)
     assert (graft.proposer.long_chain_min_confidence, tree.proposer.long_chain_min_confidence) == (0.3, 0.0)
     assert graft.proposer.graft_by_confidence and not tree.proposer.graft_by_confidence
@@ -1246,6 +1248,9 @@ def test_mix_trains_one_drafter_on_several_datasets(tiny_text_runner: ModelRunne
     alone = DataConfig(dataset="gsm8k", num_prompts=6, max_prompt_len=64, max_new_tokens=6, holdout=4)
     assert extra.key() == alone.key() and main.key() == data.key() == replace(data, mix=()).key()
     assert (main_share, extra_share) == (0.75, 0.25) and extra.reference_answers == 0
+    batched_part = {"dataset": "gsm8k", "num_prompts": 6, "holdout": 4, "max_num_seqs": 64}
+    batched = replace(data, mix=[batched_part]).parts()[1][0]
+    assert batched.key() == replace(alone, max_num_seqs=64).key() != alone.key()   # a part's own batch, its own key
     train = TrainConfig(steps=2, batch_size=2, max_seq_len=80, val_sequences=2, log_every=1000, val_every=0)
     lines: list[str] = []
     metrics = train_drafter("eagle", tiny_text_runner, data, train, {"draft_vocab_size": 512}, tmp_path / "eagle.pt",

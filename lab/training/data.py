@@ -68,7 +68,7 @@ class DataConfig:
     holdout: int = 0                       # the first records of the seed-0 shuffle (the benchmark's) never trained on
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
-    mix: tuple[dict[str, Any], ...] = ()   # more parts: {dataset, num_prompts, holdout?, reference_answers?, share?}
+    mix: tuple[dict[str, Any], ...] = ()   # more parts: {dataset, num_prompts, holdout?, max_num_seqs?, share?, ...}
 
     def __post_init__(self) -> None:
         self.mix = tuple(dict(entry) for entry in self.mix)
@@ -114,7 +114,10 @@ class DataConfig:
         return [(primary, rest), *extra]
 
 
-MIX_KEYS = ("dataset", "num_prompts", "holdout", "reference_answers", "max_prompt_len", "max_new_tokens", "share")
+# NOTE: max_num_seqs is in a part's answer key (the batch changes the kernels, so the greedy answers): a part written
+#   at another batch size than the rest (a CPU's 64 beside a GPU's 512) names it to find its cached answers
+MIX_KEYS = ("dataset", "num_prompts", "holdout", "reference_answers", "max_prompt_len", "max_new_tokens",
+            "max_num_seqs", "share")
 
 
 def _check_mix(mix: tuple[dict[str, Any], ...]) -> None:
