@@ -216,8 +216,9 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-# NOTE: engine=dflash_tree's drafter, trained with up to 3 offsets given: it redrafts under paths of up to 3 tokens
-LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_onpolicy_fill3.pt"
+# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 3 offsets given: it redrafts
+#   under paths of up to 3 tokens
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_12k.pt"
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
