@@ -8,7 +8,7 @@
 # scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-init=${1:-checkpoints/smollm2/dflash_12k.pt}   # the best drafter of its own tree (session 48)
+init=${1:-checkpoints/smollm2/dflash_16k.pt}   # the best drafter of its own tree (session 49)
 python=${PYTHON:-.venv/bin/python}
 [ "$init" = none ] || [ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; exit 1; }
 stage=$(mktemp -d)
@@ -24,11 +24,18 @@ done
   llguidance==1.6.1
 "$python" -m pip wheel -q --no-deps -w "$stage/wheels" antlr4-python3-runtime==4.9.3   # an sdist only
 # the records as lab/workloads/dataset_files.py parses them, for the pinned versions (the packages stay here)
+# NOTE: sharegpt_followups' without their recorded answers (17 MB of the archive; 3 MB without): the recipe's
+#   answers are the target's, and its prompts' shuffle only needs every record there
 "$python" - "$stage/datasets" <<'EOF'
-import shutil, sys
+import json, shutil, sys
+from pathlib import Path
 from lab.workloads.dataset_files import cached_records_path
 for name in ("sharegpt", "gsm8k", "mtbench"):
     shutil.copy(cached_records_path(name), sys.argv[1])
+source = cached_records_path("sharegpt_followups")
+with source.open(encoding="utf-8") as records, (Path(sys.argv[1]) / source.name).open("w", encoding="utf-8") as out:
+    for line in records:
+        out.write(json.dumps(json.loads(line) | {"reference": None}, ensure_ascii=False) + "\n")
 EOF
 # NOTE: under its own name, where the recorded training commands expect it
 [ "$init" = none ] || { mkdir -p "$stage/init" && cp "$init" "$stage/init/"; }

@@ -37,8 +37,8 @@ from lab.spec.feature_proposer import ConfidenceGate, resolve_draft_weights, res
 from lab.spec.suffix import SuffixProposerConfig
 from lab.spec.tree import ROOT
 from lab.training import data as training_data
-from lab.training.data import (DataConfig, Sequence, generate_responses, load_training_data, online_features,
-                               reference_sequences, target_features)
+from lab.training.data import (DataConfig, Sequence, generate_responses, load_corpus, load_training_data,
+                               online_features, reference_sequences, target_features)
 from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, make_batch,
                                  on_greedy_path)
 from lab.training.precision import cpu_has_bf16_matmul
@@ -1259,6 +1259,28 @@ def test_mix_trains_one_drafter_on_several_datasets(tiny_text_runner: ModelRunne
     assert any(f"{sum(sizes) - 4} sequences" in line for line in lines), lines   # each part's first 2 validate
     mean = 0.75 * metrics["val/sharegpt/ce"] + 0.25 * metrics["val/gsm8k/ce"]
     assert metrics["val/ce"] == pytest.approx(mean, abs=1e-3)
+
+
+def test_parts_that_share_prompts_warn_or_drop_them(tiny_text_runner: ModelRunner, tmp_path: Path) -> None:
+    """holdout offsets a part in the one shuffle, so parts can overlap: a prompt seen before (an earlier part's,
+    or a repeat in its own) is reported, or with data.distinct_prompts dropped, so no part validates on answers
+    another trains on."""
+    data = DataConfig(num_prompts=3, features="online", mix=[{"dataset": "sharegpt", "num_prompts": 4, "holdout": 2}])
+    (first, _), (second, _) = data.parts()
+    answers = [(first, [([1, 2], [9]), ([3], [8]), ([4, 5], [7])]),
+               (second, [([4, 5], [7]), ([6], [5]), ([6], [5]), ([2, 1], [4])])]   # one of the first's, one repeat
+    for part, pairs in answers:
+        records = [{"token_ids": prompt + answer, "prompt_len": len(prompt)} for prompt, answer in pairs]
+        (tmp_path / f"responses-{part.key()}.json").write_text(json.dumps(records))
+    lines: list[str] = []
+    kept = load_corpus(tiny_text_runner, data, tmp_path, lines.append)
+    assert [len(p.sequences) for p in kept] == [3, 4] and kept[1].name == "sharegpt#1"
+    assert [line for line in lines if "WARNING 2 of sharegpt#1's 4 prompts were seen before" in line], lines
+    lines.clear()
+    distinct = load_corpus(tiny_text_runner, replace(data, distinct_prompts=True), tmp_path, lines.append)
+    assert [s.token_ids for s in distinct[1].sequences] == [[6, 5], [2, 1, 4]]
+    assert lines == ["data: dropped 2 of sharegpt#1's 4 answers, to prompts seen before"]
+    assert replace(data, distinct_prompts=True).key() == data.key()   # the answers' cache stays theirs
 
 
 def test_mix_draws_by_share_and_refuses_bad_parts() -> None:

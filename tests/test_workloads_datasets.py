@@ -18,7 +18,8 @@ from lab.models.sources import convert_smollm2, default_cache_dir
 from lab.workloads import DatasetWorkload, RandomWorkload, SamplingDefaults, lengths
 from lab.workloads import dataset_files
 from lab.workloads.datasets import leading_record_ids
-from lab.workloads.dataset_files import DatasetSpec, iter_json_array, load_records, parse_sharegpt
+from lab.workloads.dataset_files import (DatasetSpec, iter_json_array, load_records, parse_sharegpt,
+                                         parse_sharegpt_followups)
 from tests.conftest import compose_cfg
 
 DATASETS = ["sharegpt", "mtbench", "gsm8k", "humaneval"]
@@ -63,7 +64,8 @@ def test_sharegpt_parser_on_truncated_file(tmp_path: Path) -> None:
     conversations = [
         {"id": "one-turn", "conversations": [{"from": "human", "value": "alone"}]},
         {"id": "ok", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-                                       {"from": "human", "value": "later"}, {"from": "gpt", "value": "ignored"}]},
+                                       {"from": "human", "value": "later"}, {"from": "gpt", "value": "followed up"},
+                                       {"from": "human", "value": "unanswered"}]},
         {"id": "gpt-first", "conversations": [{"from": "gpt", "value": "intro"}, {"from": "human", "value": "q"},
                                               {"from": "gpt", "value": "a"}]},
         {"id": "cut", "conversations": [{"from": "human", "value": "never finished"}, {"from": "gpt", "value": "x"}]},
@@ -74,6 +76,8 @@ def test_sharegpt_parser_on_truncated_file(tmp_path: Path) -> None:
     records = list(parse_sharegpt(path))
     assert records == [{"id": "ok", "prompt": "hi", "reference": "hello"},
                        {"id": "gpt-first", "prompt": "q", "reference": "a"}]
+    # sharegpt_followups: the answered human turns after the first, each a record of its own
+    assert list(parse_sharegpt_followups(path)) == [{"id": "ok#1", "prompt": "later", "reference": "followed up"}]
 
 
 def test_real_sharegpt_file_is_truncated_and_decodes_most_conversations() -> None:
@@ -82,7 +86,10 @@ def test_real_sharegpt_file_is_truncated_and_decodes_most_conversations() -> Non
     with path.open("rb") as file:
         file.seek(-64, 2)
         assert not file.read().rstrip().endswith(b"]"), "the packaged file is expected to be truncated"
-    assert len(load_records("sharegpt")) > 10_000
+    firsts = load_records("sharegpt")
+    assert len(firsts) > 10_000
+    followups = load_records("sharegpt_followups")   # every later answered turn: ~2.5x as many prompts
+    assert len(followups) > 2 * len(firsts) and {r["id"].split("#")[0] for r in followups} <= {r["id"] for r in firsts}
 
 
 # --- packaged datasets ---------------------------------------------------------------------------------
@@ -113,7 +120,7 @@ def test_without_the_package_the_pinned_versions_cache_is_read_and_else_named(
         dataset_files.cached_records_path("humaneval", tmp_path / "elsewhere")
 
 
-@pytest.mark.parametrize("dataset", DATASETS)
+@pytest.mark.parametrize("dataset", [*DATASETS, "sharegpt_followups"])
 def test_dataset_builds_requests_within_filters(dataset: str, tokenizer: Any) -> None:
     workload = DatasetWorkload(dataset, num_prompts=3, seed=1, max_tokens=64, max_prompt_len=512)
     requests = build(workload, tokenizer)

