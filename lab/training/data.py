@@ -279,11 +279,7 @@ def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=pr
         sequences, features = load_training_data(runner, part, cache_dir, log, precision)
         repeats = sum(p.name.split("#")[0] == part.dataset for p in parts)
         name = f"{part.dataset}#{repeats}" if repeats else part.dataset
-        fresh = []
-        for i, sequence in enumerate(sequences):
-            prompt = tuple(sequence.token_ids[:sequence.prompt_len])
-            fresh += [i] if prompt not in seen else []
-            seen.add(prompt)
+        fresh = _unseen_prompts(sequences, seen)
         if len(fresh) < len(sequences):
             repeated = len(sequences) - len(fresh)
             if config.distinct_prompts:
@@ -296,6 +292,17 @@ def load_corpus(runner: ModelRunner, config: DataConfig, cache_dir: Path, log=pr
                     f"prompts; data.distinct_prompts=true drops them")
         parts.append(CorpusPart(name, sequences, features, share))
     return parts
+
+
+def _unseen_prompts(sequences: list[Sequence], seen: set[tuple[int, ...]]) -> list[int]:
+    """The indices of the sequences whose prompt is not in `seen` nor earlier in `sequences`; adds every prompt."""
+    fresh = []
+    for i, sequence in enumerate(sequences):
+        prompt = tuple(sequence.token_ids[:sequence.prompt_len])
+        if prompt not in seen:
+            fresh.append(i)
+            seen.add(prompt)
+    return fresh
 
 
 def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, feature_layers: tuple[int, ...],

