@@ -24,18 +24,21 @@ done
   llguidance==1.6.1
 "$python" -m pip wheel -q --no-deps -w "$stage/wheels" antlr4-python3-runtime==4.9.3   # an sdist only
 # the records as lab/workloads/dataset_files.py parses them, for the pinned versions (the packages stay here)
-# NOTE: sharegpt_followups' without their recorded answers (17 MB of the archive; 3 MB without): the recipe's
-#   answers are the target's, and its prompts' shuffle only needs every record there
+# NOTE: ShareGPT's two sets without their recorded answers (29 MB of the archive; 8 MB without; the two calls'
+#   64 MiB leave no room for them): the recipe's answers are the target's, and its prompts' shuffle and filters only
+#   need every record's prompt there (a fixed output length skips the output filters; checked in session 50: the
+#   same 4000 prompts at holdout 0 and 12000). So data.reference_answers cannot run there.
 "$python" - "$stage/datasets" <<'EOF'
 import json, shutil, sys
 from pathlib import Path
 from lab.workloads.dataset_files import cached_records_path
-for name in ("sharegpt", "gsm8k", "mtbench"):
+for name in ("gsm8k", "mtbench"):
     shutil.copy(cached_records_path(name), sys.argv[1])
-source = cached_records_path("sharegpt_followups")
-with source.open(encoding="utf-8") as records, (Path(sys.argv[1]) / source.name).open("w", encoding="utf-8") as out:
-    for line in records:
-        out.write(json.dumps(json.loads(line) | {"reference": None}, ensure_ascii=False) + "\n")
+for name in ("sharegpt", "sharegpt_followups"):
+    source = cached_records_path(name)
+    with source.open(encoding="utf-8") as records, (Path(sys.argv[1]) / source.name).open("w", encoding="utf-8") as out:
+        for line in records:
+            out.write(json.dumps(json.loads(line) | {"reference": None}, ensure_ascii=False) + "\n")
 EOF
 # NOTE: under its own name, where the recorded training commands expect it
 [ "$init" = none ] || { mkdir -p "$stage/init" && cp "$init" "$stage/init/"; }
@@ -57,4 +60,11 @@ cp .gpu_train/bundle.sha256 .gpu_train/1/
 cp .gpu_train/bundle.sha256 .gpu_train/2/
 
 du -sh .gpu_train/1 .gpu_train/2
+# a call carries the tracked tree too (checkpoints/smollm2 left out, as scripts/gpu_train.sh says)
+tree=$(git ls-files -z | grep -zv '^checkpoints/smollm2/' | du -cb --files0-from=- | tail -1 | cut -f1)
+for part in .gpu_train/1 .gpu_train/2; do
+  size=$(( $(du -sb "$part" | cut -f1) + tree ))
+  [ "$size" -le $(( 64 << 20 )) ] || echo "gpu_train_pack: WARNING: $part and the tree are $size bytes, over a" \
+    "device call's 64 MiB: pack fewer answers (checkpoints/smollm2/*_answers.tgz) or cut the bundle in three"
+done
 echo "gpu_train_pack: carry .gpu_train/1 in one device call (scripts/gpu_train.sh stage), .gpu_train/2 in the next"
