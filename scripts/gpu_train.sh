@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DFlash drafter training on the GPU machine (issue 8's tau goal needs more data and training than a CPU gives),
 # in two device calls, since the bundled GGUF alone is over one call's 64 MiB:
-#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, ~63 MB each)
+#   here, once:  scripts/gpu_train_pack.sh                  (.gpu_train/1 and .gpu_train/2, ~62 MB each)
 #                git rm -r -q --cached checkpoints/smollm2 && echo /checkpoints/smollm2/ >> .git/info/exclude
 #   call 1:      run(command="GPU_TRAIN_TESTS=150 bash scripts/gpu_train.sh stage", carry=[".gpu_train/1"],
 #                    timeout_s=200)   (GPU_TRAIN_TESTS: seconds for the `gpu`-marked tests meanwhile; 0: none)
@@ -62,6 +62,13 @@ export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 export LAB_CACHE=${LAB_CACHE:-/tmp/lab_cache}
 mkdir -p "$LAB_CACHE/datasets" checkpoints/smollm2
 cp "$bundle"/datasets/*.jsonl "$LAB_CACHE/datasets/"
+unxz_py='import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))'
+for records in "$bundle"/datasets/*.jsonl.xz; do   # ShareGPT's two sets (scripts/gpu_train_pack.sh)
+  [ -f "$records" ] || continue
+  unpacked="$LAB_CACHE/datasets/$(basename "$records" .xz)"
+  python3 -c "$unxz_py" "$records" "$unpacked" || xz -dc "$records" > "$unpacked" \
+    || { echo "gpu_train: cannot unpack $records (neither Python's lzma nor xz)"; exit 1; }
+done
 for answers in "$bundle"/answers/*.tgz; do [ -f "$answers" ] && tar -xzf "$answers" -C "$LAB_CACHE"; done
 # NOTE: under its own name, where the recorded commands expect it, so the checkpoint's command re-creates it
 init=$(ls "$bundle"/init/*.pt 2>/dev/null | head -1)
@@ -69,27 +76,28 @@ init=$(ls "$bundle"/init/*.pt 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/train.log"
 if [ $# -eq 0 ]; then
   # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to the
-  # ShareGPT first turns (~12500 distinct prompts of up to 256 tokens), 20000 of its later turns and 1000 GSM8K
+  # ShareGPT first turns (~12500 distinct prompts of up to 256 tokens), 24000 of its later turns and 1000 GSM8K
   # questions (not the benchmark's 256); the default drafter (one layer, 0-3 offsets given) goes on learning from
   # them, so the result drops in where it is used. Session 45 made
   # dflash_gpu.pt from dflash_onpolicy_fill3.pt on the first 4000 and the GSM8K ones (973 steps in 304 s on an H100);
   # their answers travel (checkpoints/smollm2/dflash_gpu_answers.tgz), and so do the answers to prompts 4000-7999,
   # 8000-11999 and 12000-15999 that sessions 47-49 generated on a CPU (sharegpt_*_answers.tgz; sessions 48's and
-  # 49's at batch 64, which their parts name to find them), and of ShareGPT's first 16000 later turns (sessions
+  # 49's at batch 64, which their parts name to find them), and of ShareGPT's first 20000 later turns (sessions
   # 49-51, batch 64), so only the next 4000 later turns are answered here (~150 s).
   # holdout offsets a part in one shuffle, so these parts overlap by ~25 %: distinct_prompts drops the repeats.
   # Session 45's steps took 0.31 s at batch 64 in full fp32, most of it the target's online forward; TF32
   # (matmul_precision=high) should cut that several times over (not yet measured: gpu_check.sh's bench_train runs
   # time both).
   [ -n "$init" ] || { echo "gpu_train: the bundle has no drafter to start from (scripts/gpu_train_pack.sh)"; exit 1; }
-  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.1}"   # prompts 4000-7999
-  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.1}"   # 8000-11999
-  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.1}"   # 12000-15999
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,max_num_seqs:64,share:0.1}"   # later turns (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:4000,max_num_seqs:64,share:0.1}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.1}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.1}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:16000,share:0.1}"   # the next (GPU)
+  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.09}"   # prompts 4000-7999
+  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.09}"   # 8000-11999
+  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.09}"   # 12000-15999
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,max_num_seqs:64,share:0.09}"   # later turns (CPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:4000,max_num_seqs:64,share:0.09}"   # (CPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.09}"   # (CPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.09}"   # (CPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:16000,max_num_seqs:64,share:0.09}"   # (CPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:20000,share:0.09}"   # the next (GPU)
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
     data.max_num_seqs=512 data.kv_cache_memory_mb=16384 data.distinct_prompts=true \
     "data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.12},$more_sharegpt]" \
