@@ -89,14 +89,13 @@ if [ $# -eq 0 ]; then
   # (matmul_precision=high) should cut that several times over (not yet measured: gpu_check.sh's bench_train runs
   # time both).
   [ -n "$init" ] || { echo "gpu_train: the bundle has no drafter to start from (scripts/gpu_train_pack.sh)"; exit 1; }
-  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.09}"   # prompts 4000-7999
-  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.09}"   # 8000-11999
-  more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.09}"   # 12000-15999
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,max_num_seqs:64,share:0.09}"   # later turns (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:4000,max_num_seqs:64,share:0.09}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:8000,max_num_seqs:64,share:0.09}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:12000,max_num_seqs:64,share:0.09}"   # (CPU)
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:16000,max_num_seqs:64,share:0.09}"   # (CPU)
+  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.09}"   # first turns 4000-7999
+  for holdout in 8000 12000; do   # 8000-15999, written at batch 64 (CPU)
+    more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.09}"
+  done
+  for holdout in 0 4000 8000 12000 16000; do   # later turns 0-19999, written at batch 64 (CPU)
+    more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.09}"
+  done
   more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:20000,share:0.09}"   # the next (GPU)
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
     data.max_num_seqs=512 data.kv_cache_memory_mb=16384 data.distinct_prompts=true \
