@@ -76,27 +76,27 @@ init=$(ls "$bundle"/init/*.pt 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/train.log"
 if [ $# -eq 0 ]; then
   # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to the
-  # ShareGPT first turns (~12500 distinct prompts of up to 256 tokens), 28000 of its later turns and 1000 GSM8K
+  # ShareGPT first turns (~12500 distinct prompts of up to 256 tokens), 36000 of its later turns and 1000 GSM8K
   # questions (not the benchmark's 256); the default drafter (one layer, 0-3 offsets given) goes on learning from
   # them, so the result drops in where it is used. Session 45 made
   # dflash_gpu.pt from dflash_onpolicy_fill3.pt on the first 4000 and the GSM8K ones (973 steps in 304 s on an H100);
   # their answers travel (checkpoints/smollm2/dflash_gpu_answers.tgz), and so do the answers to prompts 4000-7999,
   # 8000-11999 and 12000-15999 that sessions 47-49 generated on a CPU (sharegpt_*_answers.tgz; sessions 48's and
-  # 49's at batch 64, which their parts name to find them), and of ShareGPT's first 24000 later turns (sessions
-  # 49-52, batch 64), so only the next 4000 later turns are answered here (~150 s).
+  # 49's at batch 64, which their parts name to find them), and of ShareGPT's first 32000 later turns (sessions
+  # 49-53, batch 64), so only the next 4000 later turns are answered here (~150 s).
   # holdout offsets a part in one shuffle, so these parts overlap by ~25 %: distinct_prompts drops the repeats.
   # Session 45's steps took 0.31 s at batch 64 in full fp32, most of it the target's online forward; TF32
   # (matmul_precision=high) should cut that several times over (not yet measured: gpu_check.sh's bench_train runs
   # time both).
   [ -n "$init" ] || { echo "gpu_train: the bundle has no drafter to start from (scripts/gpu_train_pack.sh)"; exit 1; }
-  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.08}"   # first turns 4000-7999
+  more_sharegpt="{dataset:sharegpt,num_prompts:4000,holdout:4000,share:0.07}"   # first turns 4000-7999
   for holdout in 8000 12000; do   # 8000-15999, written at batch 64 (CPU)
-    more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.08}"
+    more_sharegpt+=",{dataset:sharegpt,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.07}"
   done
-  for holdout in 0 4000 8000 12000 16000 20000; do   # later turns 0-23999, written at batch 64 (CPU)
-    more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.08}"
+  for holdout in 0 4000 8000 12000 16000 20000 24000 28000; do   # later turns 0-31999, written at batch 64 (CPU)
+    more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:$holdout,max_num_seqs:64,share:0.07}"
   done
-  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:24000,share:0.08}"   # the next (GPU)
+  more_sharegpt+=",{dataset:sharegpt_followups,num_prompts:4000,holdout:32000,share:0.07}"   # the next (GPU)
   set -- drafter=dflash model.device=cuda data.features=online data.num_prompts=4000 \
     data.max_num_seqs=512 data.kv_cache_memory_mb=16384 data.distinct_prompts=true \
     "data.mix=[{dataset:gsm8k,num_prompts:1000,holdout:256,share:0.12},$more_sharegpt]" \

@@ -8,7 +8,7 @@
 # scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-init=${1:-checkpoints/smollm2/dflash_40k.pt}   # the best drafter of its own tree (session 52)
+init=${1:-checkpoints/smollm2/dflash_48k.pt}   # the best drafter of its own tree (session 53)
 python=${PYTHON:-.venv/bin/python}
 [ "$init" = none ] || [ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; exit 1; }
 stage=$(mktemp -d)
@@ -53,9 +53,11 @@ cp "$stage"/wheels/*.whl .gpu_train/1/wheels/ && rm .gpu_train/1/wheels/llm_smol
 mkdir -p "$stage/answers"
 for answers in checkpoints/smollm2/*_answers.tgz; do [ -f "$answers" ] && cp "$answers" "$stage/answers/"; done
 tar -C "$stage" -czf "$stage/bundle.tgz" wheels datasets answers $( [ "$init" = none ] || echo init )
-# NOTE: cut unevenly: the first call also carries the loose wheels, the second only the tree beside its part
+# NOTE: cut so that the two calls carry the same bytes: the first also carries the loose wheels (session 53: the
+#   answers to later turns 0-31999 leave ~0.1 MB a call)
 size=$(stat -c %s "$stage/bundle.tgz")
-second=$(( size / 2 + 2000000 ))
+loose=$(du -sb .gpu_train/1/wheels | cut -f1)
+second=$(( (size + loose) / 2 ))
 head -c $(( size - second )) "$stage/bundle.tgz" > .gpu_train/1/bundle.tgz.0
 tail -c "$second" "$stage/bundle.tgz" > .gpu_train/2/bundle.tgz.1
 (cd "$stage" && sha256sum bundle.tgz) > .gpu_train/bundle.sha256

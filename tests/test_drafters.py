@@ -1328,6 +1328,29 @@ def test_reference_features_extend_shard_by_shard(tiny_text_runner: ModelRunner,
         assert torch.equal(mine, theirs)
 
 
+def test_a_cache_write_that_fails_leaves_no_file_and_the_run_goes_on(tiny_runner: ModelRunner, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk mid-write (session 53: torch.save's RuntimeError after 1.7 of 5.5 GB) leaves neither a truncated
+    features file for the next run to load nor a partial one; the features computed are returned all the same, the
+    warning names the fix, and the next run computes and stores them."""
+    sequences = [Sequence([1, 2, 3, 4, 5, 6], 3), Sequence([7, 8, 9, 10], 2)]
+
+    def disk_full(obj: object, path: Path) -> None:
+        Path(path).write_bytes(b"half a zip")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1729457152 vs 1729457040")
+
+    lines: list[str] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(training_data.torch, "save", disk_full)
+        features = training_data.cached_features(tiny_runner, sequences, "k", (-1,), tmp_path, lines.append)
+    assert [f.shape[0] for f in features] == [6, 4] and not list(tmp_path.iterdir())
+    assert any("could not cache features-k-L" in line and "free disk space" in line for line in lines), lines
+    lines.clear()
+    again = training_data.cached_features(tiny_runner, sequences, "k", (-1,), tmp_path, lines.append)
+    assert [p.name for p in tmp_path.iterdir()] == [f"features-k-L{tiny_runner.config.num_layers - 1}.pt"]
+    assert all(torch.equal(a, b) for a, b in zip(again, features)) and not any("WARNING" in line for line in lines)
+
+
 def test_lab_train_is_one_wandb_run_with_its_curves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`lab-train` (logger=wandb, offline): one W&B run in group train-<drafter> holding the training and
     validation curves, the final metrics and the checkpoint; the data cache goes under $LAB_CACHE."""

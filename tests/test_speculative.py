@@ -218,7 +218,7 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
 
 # NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 3 offsets given: it redrafts
 #   under paths of up to 3 tokens
-LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_40k.pt"
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_48k.pt"
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -182,8 +183,7 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     tokens = sum(r.num_output_tokens for r in result.requests)
     log(f"generated {tokens} answer tokens for {len(requests)} prompts in {time.perf_counter() - start:.0f} s")
     sequences = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests if r.num_output_tokens > 1]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(s) for s in sequences]))
+    store_in_cache(path, lambda partial: partial.write_text(json.dumps([asdict(s) for s in sequences])), log)
     return sequences
 
 
@@ -216,8 +216,7 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
         answer = answer[:config.max_new_tokens] if len(answer) > config.max_new_tokens else answer + eos
         sequences.append(Sequence(sample.prompt_token_ids + answer, len(sample.prompt_token_ids)))
     log(f"{len(sequences)} reference conversations, {sum(len(s.token_ids) for s in sequences)} tokens")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([asdict(s) for s in sequences]))
+    store_in_cache(path, lambda partial: partial.write_text(json.dumps([asdict(s) for s in sequences])), log)
     return sequences
 
 
@@ -322,6 +321,24 @@ def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, fe
     with float32_matmul_precision(precision):
         features = target_features(runner, sequences, tuple(wanted))
     log(f"target features for {sum(len(s.token_ids) for s in sequences)} tokens in {time.perf_counter() - start:.0f} s")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(features, cache_dir / f"features-{key}-L{'-'.join(str(i) for i in wanted)}.pt")
+    path = cache_dir / f"features-{key}-L{'-'.join(str(i) for i in wanted)}.pt"
+    store_in_cache(path, lambda partial: torch.save(features, partial), log)
     return features
+
+
+def store_in_cache(path: Path, write: Callable[[Path], None], log=print) -> bool:
+    """`write` the cache file `path` whole or not at all: into a partial file beside it, renamed over `path` once
+    complete, so that a run stopped mid-write or a full disk never leaves a truncated file for the next run to load.
+    A failed write is logged and the caller goes on with what it holds in memory (the hour of answers or features
+    it has just computed is not thrown away for want of a cache); returns whether `path` was stored."""
+    partial = path.with_name(path.name + ".partial")   # NOTE: no cache glob (`*.pt`, `*.json`) matches it
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(partial)
+        os.replace(partial, path)
+        return True
+    except (OSError, RuntimeError) as error:   # NOTE: torch.save reports a full disk as a RuntimeError
+        partial.unlink(missing_ok=True)
+        log(f"WARNING: could not cache {path.name} in {path.parent} ({error}); this run goes on without it, and the "
+            f"next computes it again: free disk space there (or set LAB_CACHE to a disk with room)")
+        return False
