@@ -183,7 +183,7 @@ def generate_responses(runner: ModelRunner, config: DataConfig, cache_dir: Path,
     tokens = sum(r.num_output_tokens for r in result.requests)
     log(f"generated {tokens} answer tokens for {len(requests)} prompts in {time.perf_counter() - start:.0f} s")
     sequences = [Sequence(r.all_token_ids, r.num_prompt_tokens) for r in result.requests if r.num_output_tokens > 1]
-    store_in_cache(path, lambda partial: partial.write_text(json.dumps([asdict(s) for s in sequences])), log)
+    store_sequences(path, sequences, log)
     return sequences
 
 
@@ -216,7 +216,7 @@ def reference_sequences(tokenizer: Any, config: DataConfig, cache_dir: Path, ski
         answer = answer[:config.max_new_tokens] if len(answer) > config.max_new_tokens else answer + eos
         sequences.append(Sequence(sample.prompt_token_ids + answer, len(sample.prompt_token_ids)))
     log(f"{len(sequences)} reference conversations, {sum(len(s.token_ids) for s in sequences)} tokens")
-    store_in_cache(path, lambda partial: partial.write_text(json.dumps([asdict(s) for s in sequences])), log)
+    store_sequences(path, sequences, log)
     return sequences
 
 
@@ -324,6 +324,11 @@ def cached_features(runner: ModelRunner, sequences: list[Sequence], key: str, fe
     path = cache_dir / f"features-{key}-L{'-'.join(str(i) for i in wanted)}.pt"
     store_in_cache(path, lambda partial: torch.save(features, partial), log)
     return features
+
+
+def store_sequences(path: Path, sequences: list[Sequence], log=print) -> bool:
+    """Cache `sequences` (answers or reference conversations) as JSON at `path` (store_in_cache)."""
+    return store_in_cache(path, lambda partial: partial.write_text(json.dumps([asdict(s) for s in sequences])), log)
 
 
 def store_in_cache(path: Path, write: Callable[[Path], None], log=print) -> bool:
