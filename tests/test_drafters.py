@@ -845,14 +845,15 @@ def test_bad_training_settings_name_the_key() -> None:
     assert DataConfig(features="online").key() == DataConfig().key()   # the same cached answers
 
 
-def test_online_features_are_the_cached_ones_batched(tiny_runner: ModelRunner) -> None:
-    """data.features=online: one batched forward over the padded batch gives each sequence's cached features
-    (which are fp16), zeros past its end."""
+@pytest.mark.parametrize("per_row", [None, False])
+def test_online_features_are_the_cached_ones(tiny_runner: ModelRunner, per_row: bool | None) -> None:
+    """data.features=online: a forward per row (a CPU's default) or one batched forward over the padded batch
+    (a GPU's) gives each sequence's cached features (which are fp16), zeros past its end."""
     result = AREngine(tiny_runner).run(make_requests(_prompts(3, seed=2), 12, ignore_eos=True))
     sequences = [Sequence(r.all_token_ids[:20 + 7 * i], r.num_prompt_tokens) for i, r in enumerate(result.requests)]
     layers = (0, -1)
     cached = make_batch(sequences, target_features(tiny_runner, sequences, layers), 96)
-    online = make_batch(sequences, None, 96, compute_features=online_features(tiny_runner, layers))
+    online = make_batch(sequences, None, 96, compute_features=online_features(tiny_runner, layers, per_row))
     assert torch.equal(online.token_ids, cached.token_ids) and online.features.shape == cached.features.shape
     torch.testing.assert_close(online.features, cached.features, rtol=2e-3, atol=2e-3)
     assert online.features[0, len(sequences[0].token_ids):].eq(0).all()

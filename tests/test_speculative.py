@@ -230,8 +230,9 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
     trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers, with offset 1 sometimes
     given; those on ShareGPT alone; those trained further on GSM8K alone; DFlash's before the target's own answers
     and before the given offsets), and the defaults verifying a tree of drafts (3 candidates for the first position;
-    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 4 paths at each of 3 levels, and that
-    with suffix decoding's chain grafted on); the drafter trained with fills, drafting in 3 denoising steps."""
+    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 8 paths at each of 3 levels as
+    engine=dflash_tree does, and that with suffix decoding's chain grafted on); the drafter trained with fills,
+    drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -246,12 +247,12 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "eagle_tree": EagleProposerConfig(tree_width=3), "dflash_tree": DFlashProposerConfig(tree_width=3),
               "dflash_paths": DFlashProposerConfig(tree_nodes=24),
               "dflash_redraft": DFlashProposerConfig(tree_nodes=24, tree_redraft=4),
-              "dflash_levels": DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=4,
+              "dflash_levels": DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=8,
                                                     tree_redraft_levels=3),
               "dflash_onpolicy": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_onpolicy.pt"),
               "dflash_grafted": CascadeProposerConfig(
                   SuffixProposerConfig(min_confidence=0.1), DFlashProposerConfig(
-                      checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=4, tree_redraft_levels=3), 3, graft=True),
+                      checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=8, tree_redraft_levels=3), 3, graft=True),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]
     engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),

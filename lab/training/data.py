@@ -20,9 +20,11 @@ benchmark workload at the default seed takes, so a drafter trained on a benchmar
 GSM8K part reuses the answers and features of `data.dataset=gsm8k` with the same settings), each with an
 optional `share` of the training draws: one drafter for both prompt sets instead of one per set.
 
-`features: online` caches no features: the target computes each batch's in the training step (one batched
-forward, `online_features`). The cache holds 5 layers x H values a token (20 GB for smollm2's 3.5M tokens), so
-on a GPU, where that forward is cheap, a corpus of any size trains this way.
+`features: online` caches no features: the target computes each batch's in the training step
+(`online_features`: one batched forward on a GPU, a forward per sequence on a CPU). The cache holds 5 layers x H
+values a token (20 GB for smollm2's 3.5M tokens), so on a GPU, where that forward is cheap, a corpus of any size
+trains this way; on a CPU it is the cheaper choice while a run draws each sequence about once (a fresh machine
+with no cache).
 
 Owns: the caches under $LAB_CACHE/train/<target fingerprint>/ (responses / references JSON, features .pt)
 and what is in them. Ignores: the drafters and their losses.
@@ -232,16 +234,33 @@ def target_features(runner: ModelRunner, sequences: list[Sequence], feature_laye
     return out
 
 
-def online_features(runner: ModelRunner, feature_layers: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """data.features=online: token_ids (S, T) on the target's device, padded at the end -> their features
-    (S, T, len(feature_layers) * H) fp32, one batched causal forward (padding after a token cannot change it)."""
+# token_ids (S, T) padded at the end, each row's length -> the target's features (S, T, F), zeros past each end
+FeatureFn = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def online_features(runner: ModelRunner, feature_layers: tuple[int, ...], per_row: bool | None = None) -> FeatureFn:
+    """data.features=online: token_ids (S, T) on the target's device, padded at the end, and each row's length ->
+    their features (S, T, len(feature_layers) * H) fp32, zeros past each row's end. On a GPU one batched causal
+    forward over the padded batch (padding after a token cannot change it; one launch beats many); on a CPU, where
+    a padded position costs as much arithmetic as a real one, a forward per row over its own tokens (a batch of 16
+    ShareGPT conversations is ~40 % padding). `per_row` chooses one or the other whatever the device."""
     layers = tuple(i % runner.config.num_layers for i in feature_layers)
 
     @torch.no_grad()   # NOTE: not inference_mode: the features feed the drafter's autograd graph
-    def features(token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(token_ids: torch.Tensor) -> torch.Tensor:                          # (S, T) -> (S, T, F)
         positions = torch.arange(token_ids.shape[1], device=token_ids.device)[None].expand_as(token_ids)
-        _, out = runner.model.forward_with_features(token_ids, positions, NoCache(), layers)
-        return out.float()
+        return runner.model.forward_with_features(token_ids, positions, NoCache(), layers)[1].float()
+
+    def features(token_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        if not (token_ids.device.type == "cpu" if per_row is None else per_row):
+            valid = torch.arange(token_ids.shape[1], device=token_ids.device)[None] < torch.tensor(
+                lengths, device=token_ids.device)[:, None]                          # (S, T)
+            return forward(token_ids) * valid[..., None]
+        rows = [forward(token_ids[row:row + 1, :n])[0] for row, n in enumerate(lengths)]   # each (n, F)
+        out = rows[0].new_zeros(*token_ids.shape, rows[0].shape[-1])
+        for row, (feats, n) in enumerate(zip(rows, lengths)):
+            out[row, :n] = feats
+        return out
 
     return features
 

@@ -21,7 +21,6 @@ Owns: batching (padding), the losses and their validation metrics. Ignores: opti
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from lab.drafters.eagle import EagleDrafter
 from lab.errors import LabError
 from lab.kv_cache.base import NoCache
 from lab.models.decoder import DecoderModel
-from lab.training.data import Sequence
+from lab.training.data import FeatureFn, Sequence
 
 
 @dataclass(slots=True)
@@ -45,9 +44,10 @@ class Batch:
 
 def make_batch(sequences: list[Sequence], features: list[torch.Tensor] | None, max_len: int,
                device: torch.device | str = "cpu",
-               compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Batch:
+               compute_features: FeatureFn | None = None) -> Batch:
     """Pad into one batch: built on the CPU, where the cached features are, then moved to `device`; with
-    features None, `compute_features` (data.online_features) computes them there from the padded token ids."""
+    features None, `compute_features` (data.online_features) computes them there from the padded token ids and
+    the lengths."""
     lengths = [min(len(s.token_ids), max_len) for s in sequences]
     longest = max(lengths)
     ids = torch.zeros(len(sequences), longest, dtype=torch.long)
@@ -57,8 +57,7 @@ def make_batch(sequences: list[Sequence], features: list[torch.Tensor] | None, m
     if features is None:
         if compute_features is None:
             raise LabError("make_batch got no features and no way to compute them", "pass compute_features")
-        valid = torch.arange(longest)[None] < torch.tensor(lengths)[:, None]                    # (S, T)
-        feats = compute_features(ids) * valid.to(device)[..., None]   # (S, T, F); zeros past the end, as cached
+        feats = compute_features(ids, lengths)   # (S, T, F); zeros past each end, as cached
     else:
         feats = torch.zeros(len(sequences), longest, features[0].shape[-1])
         for row, (feat, n) in enumerate(zip(features, lengths)):

@@ -35,7 +35,7 @@ from lab.logging import NullLogger
 from lab.models.decoder import DecoderModel
 from lab.models.sources import default_cache_dir
 from lab.runner import ModelRunner
-from lab.training.data import DataConfig, load_corpus, online_features
+from lab.training.data import DataConfig, FeatureFn, load_corpus, online_features
 from lab.training.losses import Batch, cosine_lr, dflash_loss, eagle_loss, make_batch
 from lab.training.precision import MATMUL_PRECISIONS, effective_precision, float32_matmul_precision
 
@@ -357,7 +357,7 @@ def _sampler(sizes: list[int], shares: list[float | None], generator: torch.Gene
 
 def evaluate_parts(drafter: nn.Module, loss_fn: Objective, vals: list[tuple[str, tuple[list, list | None]]],
                    weights: list[float], max_len: int,
-                   compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+                   compute_features: FeatureFn | None = None) -> dict[str, float]:
     """`evaluate` on each part's validation set; with several parts, their mean by `weights` (the training draws'
     mixture) and every part's own metrics as `<part>/<metric>`."""
     if len(vals) == 1:
@@ -370,7 +370,7 @@ def evaluate_parts(drafter: nn.Module, loss_fn: Objective, vals: list[tuple[str,
 
 @torch.no_grad()
 def evaluate(drafter: nn.Module, loss_fn: Objective, val: tuple[list, list | None], max_len: int,
-             compute_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+             compute_features: FeatureFn | None = None) -> dict[str, float]:
     """Mean validation metrics over held-out sequences, batches of 4, the same anchors every time (features None:
     `compute_features` computes them, data.features=online)."""
     drafter.eval()
