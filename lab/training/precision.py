@@ -16,6 +16,7 @@ NOTE: measured on this project's CPU (2 threads, AMX): a (2048 x 576) @ (576 x 1
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,6 +28,21 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")   # torch.set_float32_matmul_p
 def cpu_has_bf16_matmul() -> bool:
     """Whether torch's oneDNN runs bf16 products natively on this CPU (AMX-BF16 or AVX512-BF16)."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def medium_rounds_products() -> bool:
+    """Whether a CPU product under `medium` really takes bf16 inputs here: a probe at a drafter training's shape.
+    oneDNN may report bf16 kernels (`cpu_has_bf16_matmul`) and torch still keep fp32 products: measured with torch
+    2.13 on an AMD EPYC with AVX512-BF16 and no AMX (session 54), where `medium` only moves products from the packed
+    kernels to torch's GEMM."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 576, generator=generator), torch.randn(576, 576, generator=generator)
+    with float32_matmul_precision("highest"):
+        exact = torch.nn.functional.linear(x, w)
+    with float32_matmul_precision("medium"):
+        reduced = torch.nn.functional.linear(x, w)
+    return bool((reduced - exact).norm() / exact.norm() > 1e-4)   # bf16 inputs: ~3e-3; fp32 sums reordered: ~4e-7
 
 
 def effective_precision(requested: str, device: torch.device | str) -> tuple[str, str | None]:
