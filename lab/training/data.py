@@ -243,7 +243,7 @@ def online_features(runner: ModelRunner, feature_layers: tuple[int, ...], per_ro
     their features (S, T, len(feature_layers) * H) fp32, zeros past each row's end. On a GPU one batched causal
     forward over the padded batch (padding after a token cannot change it; one launch beats many); on a CPU, where
     a padded position costs as much arithmetic as a real one, a forward per row over its own tokens (a batch of 16
-    ShareGPT conversations is ~40 % padding). `per_row` chooses one or the other whatever the device."""
+    ShareGPT conversations is ~half padding). `per_row` chooses one or the other whatever the device."""
     layers = tuple(i % runner.config.num_layers for i in feature_layers)
 
     @torch.no_grad()   # NOTE: not inference_mode: the features feed the drafter's autograd graph
