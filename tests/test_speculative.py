@@ -216,9 +216,9 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 3 offsets given: it redrafts
-#   under paths of up to 3 tokens
-LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_48k.pt"
+# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 4 offsets given: it redrafts
+#   under paths of up to 4 tokens
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_52k.pt"
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
@@ -230,9 +230,9 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
     trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers, with offset 1 sometimes
     given; those on ShareGPT alone; those trained further on GSM8K alone; DFlash's before the target's own answers
     and before the given offsets), and the defaults verifying a tree of drafts (3 candidates for the first position;
-    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 8 paths at each of 3 levels as
-    engine=dflash_tree does, and that with suffix decoding's chain grafted on); the drafter trained with fills,
-    drafting in 3 denoising steps."""
+    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 8 paths at each of 4 levels over the
+    whole block as engine=dflash_tree does, and that with suffix decoding's chain grafted on); the drafter trained
+    with fills, drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -248,14 +248,17 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_paths": DFlashProposerConfig(tree_nodes=24),
               "dflash_redraft": DFlashProposerConfig(tree_nodes=24, tree_redraft=4),
               "dflash_levels": DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=8,
-                                                    tree_redraft_levels=3),
+                                                    tree_redraft_levels=4),
               "dflash_onpolicy": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_onpolicy.pt"),
               "dflash_grafted": CascadeProposerConfig(
                   SuffixProposerConfig(min_confidence=0.1), DFlashProposerConfig(
-                      checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=8, tree_redraft_levels=3), 3, graft=True),
+                      checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=8, tree_redraft_levels=4), 7, graft=True),
               "dflash_denoise": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_denoise.pt",
                                                      denoise_steps=3)}[proposer]
-    engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, scheduler=SchedulerConfig(max_num_seqs=3),
+    # NOTE: the whole block (7 drafts) where the tree is redrafted, so that all 4 levels run (each needs later offsets)
+    num_spec_tokens = 7 if proposer in ("dflash_levels", "dflash_grafted") else 3
+    engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=num_spec_tokens,
+                               scheduler=SchedulerConfig(max_num_seqs=3),
                                kv_cache=PagedKVCacheConfig(block_size=16, num_blocks=64, kv_cache_memory_mb=None))
     outputs = [r.output_token_ids for r in engine.run(make_requests(prompts, 24)).requests]
     assert outputs == expected
