@@ -266,21 +266,24 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
         assert engine.stats()["spec_decode_accepted_tokens"] > 0, engine.stats()
 
 
-def test_dflash_redraft_levels_change_the_trees_on_smollm2(smollm2_runner: ModelRunner) -> None:
+@pytest.mark.parametrize("levels, redraft, num_spec_tokens, nodes", [((1, 2), 4, 3, 24), ((3, 4), 8, 7, 62)])
+def test_dflash_redraft_levels_change_the_trees_on_smollm2(smollm2_runner: ModelRunner, levels: tuple[int, int],
+                                                           redraft: int, num_spec_tokens: int, nodes: int) -> None:
     """tree_redraft_levels 2: after the redraft under the 4 likeliest first tokens, the block is drafted again under
-    the tree's 4 likeliest 2-token paths, so some trees take their third offsets from those; the output stays
-    `ar`'s. (A drafter trained with 2 or more offsets given.)"""
+    the tree's 4 likeliest 2-token paths, so some trees take their third offsets from those; and a fourth level (8
+    paths a level over the whole block, engine=dflash_tree's shape) changes the trees over three. The output stays
+    `ar`'s. (A drafter trained with 4 offsets given.)"""
     prompts = [chat_prompt(smollm2_runner.tokenizer, "Count from one to twenty in words.")]
     expected = [r.output_token_ids for r in AREngine(smollm2_runner).run(make_requests(prompts, 32)).requests]
     drafts = {}
-    for levels in (1, 2):
-        config = DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=4,
-                                      tree_redraft_levels=levels)
-        engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=3, kv_cache=PagedKVCacheConfig(
+    for level in levels:
+        config = DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=nodes, tree_redraft=redraft,
+                                      tree_redraft_levels=level)
+        engine = SpeculativeEngine(smollm2_runner, config, num_spec_tokens=num_spec_tokens, kv_cache=PagedKVCacheConfig(
             block_size=16, num_blocks=64, kv_cache_memory_mb=None))
-        drafts[levels] = record_drafts(engine)
+        drafts[level] = record_drafts(engine)
         assert [r.output_token_ids for r in engine.run(make_requests(prompts, 32)).requests] == expected
-    assert any(a.token_ids != b.token_ids for a, b in zip(drafts[1], drafts[2]))
+    assert any(a.token_ids != b.token_ids for a, b in zip(drafts[levels[0]], drafts[levels[1]]))
 
 
 @pytest.fixture
