@@ -77,14 +77,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/
 if [ $# -eq 0 ]; then
   # The default recipe: the target's own answers (every block on its greedy path, all offsets labelled) to the
   # ShareGPT first turns (~12500 distinct prompts of up to 256 tokens), 36000 of its later turns and 1000 GSM8K
-  # questions (not the benchmark's 256); the trees' drafter (one layer, 0-4 offsets given) goes on learning from
+  # questions (not the benchmark's 256); the trees' drafter (one layer, 0-6 offsets given) goes on learning from
   # them, so the result drops in where it is used. Session 45 made
   # dflash_gpu.pt from dflash_onpolicy_fill3.pt on the first 4000 and the GSM8K ones (973 steps in 304 s on an H100);
   # their answers travel (checkpoints/smollm2/dflash_gpu_answers.tgz), and so do the answers to prompts 4000-7999,
   # 8000-11999 and 12000-15999 that sessions 47-49 generated on a CPU (sharegpt_*_answers.tgz; sessions 48's and
   # 49's at batch 64, which their parts name to find them), and of ShareGPT's first 32000 later turns (sessions
-  # 49-53, batch 64), so only the next 4000 later turns are answered here (~150 s; session 55 answered them on a CPU
-  # at batch 64 too, but those do not fit the two calls beside the rest).
+  # 49-53, batch 64), so only the next 4000 later turns are answered here (~150 s; sessions 55-56 answered them and
+  # the last 4000 on a CPU at batch 64 too, but those do not fit the two calls beside the rest).
   # holdout offsets a part in one shuffle, so these parts overlap by ~25 %: distinct_prompts drops the repeats.
   # Session 45's steps took 0.31 s at batch 64 in full fp32, most of it the target's online forward; TF32
   # (matmul_precision=high) should cut that several times over (not yet measured: gpu_check.sh's bench_train runs
@@ -104,7 +104,7 @@ if [ $# -eq 0 ]; then
     train.init_from=checkpoints/smollm2/$(basename "$init") train.batch_size=64 train.steps=1200 \
     train.lr=1.5e-4 train.warmup_steps=50 train.weight_decay=0.05 train.val_every=200 train.log_every=50 \
     train.val_sequences=32 train.max_seconds=$(( budget - 200 )) train.matmul_precision=high \
-    drafter.gamma=1.5 drafter.max_fill=4 logger=none \
+    drafter.gamma=1.5 drafter.max_fill=6 logger=none \
     output=checkpoints/smollm2/dflash_gpu_$(date +%Y%m%d).pt   # NOTE: never the name it starts from (not returned)
 fi
 # NOTE: the device tool stops a call at 600 s; a SIGINT before that ends training early and still saves

@@ -8,7 +8,7 @@
 # scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-init=${1:-checkpoints/smollm2/dflash_52k.pt}   # the best drafter of its own tree (session 55)
+init=${1:-checkpoints/smollm2/dflash_56k.pt}   # the best drafter of its own tree (session 56)
 python=${PYTHON:-.venv/bin/python}
 [ "$init" = none ] || [ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; exit 1; }
 stage=$(mktemp -d)
@@ -51,10 +51,10 @@ cp "$stage"/wheels/*.whl .gpu_train/1/wheels/ && rm .gpu_train/1/wheels/llm_smol
 # the target's answers an earlier GPU run returned (its responses.tgz, committed beside the drafter they trained):
 # lab-train finds them in its cache and answers only the prompts they lack
 mkdir -p "$stage/answers"
-# NOTE: but not this CPU's answers to later turns 32000-35999 (session 55): the two calls have no room for them, and
-#   the recipe answers that part itself at batch 512 (~150 s), a part of its own name
+# NOTE: but not this CPU's answers to later turns 32000-39999 (sessions 55-56): the two calls have no room for them;
+#   the recipe answers 32000-35999 itself at batch 512 (~150 s), a part of its own name, and leaves 36000-39999 out
 for answers in checkpoints/smollm2/*_answers.tgz; do
-  case "$answers" in *_32000_to_35999_answers.tgz) continue ;; esac
+  case "$answers" in *_32000_to_35999_answers.tgz | *_36000_to_39999_answers.tgz) continue ;; esac
   [ -f "$answers" ] && cp "$answers" "$stage/answers/"
 done
 tar -C "$stage" -czf "$stage/bundle.tgz" wheels datasets answers $( [ "$init" = none ] || echo init )

@@ -327,7 +327,7 @@ def test_a_sampling_request_drafts_a_chain_and_bad_widths_name_the_key(tiny_runn
     for bad, match in (({"tree_nodes": 63}, "tree_nodes must be 0"), ({"tree_nodes": 8, "tree_width": 2}, "two tree"),
                        ({"tree_nodes": 8, "tree_tails": True}, "two tree"),
                        ({"tree_nodes": 8, "denoise_steps": 2}, "one forward"),
-                       ({"tree_nodes": 8, "tree_redraft": 9}, "tree_redraft must be 0"),
+                       ({"tree_nodes": 8, "tree_redraft": 9}, "to tree_nodes \\(8\\), got 9"),
                        ({"tree_redraft": 2}, "tree_nodes too"),
                        ({"tree_nodes": 8, "tree_redraft": 2}, "trained without given tokens"),
                        ({"tree_nodes": 8, "tree_redraft_levels": 0}, "tree_redraft_levels must be >= 1"),

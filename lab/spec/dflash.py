@@ -55,13 +55,16 @@ def _check_tree_nodes(tree_nodes: int, tree_width: int, tree_tails: bool, denois
         raise LabError("engine.proposer.tree_nodes needs the whole block drafted in one forward (its paths are "
                        "built from every offset's distribution), but denoise_steps > 1 redrafts it",
                        "set engine.proposer.denoise_steps=1 with tree_nodes")
-    if not 0 <= tree_redraft <= MAX_TREE_WIDTH:
-        raise LabError(f"engine.proposer.tree_redraft must be 0 (off) to {MAX_TREE_WIDTH}, got {tree_redraft}",
-                       "e.g. engine.proposer.tree_redraft=4: the block drafted again under its 4 likeliest first "
-                       "tokens")
     if tree_redraft and not tree_nodes:
         raise LabError("engine.proposer.tree_redraft grows a tree of paths (tree_nodes), which is off",
                        "set engine.proposer.tree_nodes too, e.g. 62")
+    # NOTE: a level redrafts its tree's likeliest paths that deep, so no more of them than the tree has nodes (the
+    # first level has at most a node's candidates, MAX_TREE_WIDTH; deeper levels have more)
+    if not 0 <= tree_redraft <= tree_nodes:
+        raise LabError(f"engine.proposer.tree_redraft (paths redrafted a level) must be 0 (off) to tree_nodes "
+                       f"({tree_nodes}), got {tree_redraft}",
+                       "e.g. engine.proposer.tree_redraft=8: the block drafted again under its 8 likeliest first "
+                       "tokens, then under its 8 likeliest 2-token paths, ...")
     if tree_redraft and max_fill < 1:
         raise LabError("engine.proposer.tree_redraft drafts the block again with its first token given, but this "
                        "drafter was trained without given tokens (max_fill 0)",
@@ -388,10 +391,10 @@ class DFlashProposerConfig:
     the tree_nodes likeliest paths through the block's drafted offsets, each offset's candidates its best tokens and
     a path's probability the product of theirs (0: off; lab/spec/tree.py's marginal_tree), paths below
     tree_min_prob left out; tree_redraft: with tree_nodes, draft the block's later offsets again under each of the
-    first position's tree_redraft likeliest tokens, given at offset 1 (one more drafter forward, eager; a drafter
-    trained with drafter.max_fill >= 1), so the paths through a runner-up follow from it; tree_redraft_levels L:
-    then under the tree's tree_redraft likeliest 2-token paths, ... L-token paths (a forward a level; a drafter
-    trained with drafter.max_fill >= L)."""
+    first position's tree_redraft likeliest tokens (all its candidates where it has fewer), given at offset 1 (one
+    more drafter forward, eager; a drafter trained with drafter.max_fill >= 1), so the paths through a runner-up
+    follow from it; tree_redraft_levels L: then under the tree's tree_redraft likeliest 2-token paths, ... L-token
+    paths (a forward a level; a drafter trained with drafter.max_fill >= L)."""
 
     checkpoint: str | None = "checkpoints/smollm2/dflash_gpu_cpu.pt"
     seed: int = 0
