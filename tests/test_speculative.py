@@ -216,8 +216,8 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 4 offsets given: it redrafts
-#   under paths of up to 4 tokens
+# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 6 offsets given: it redrafts
+#   under paths of up to 6 tokens
 LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_56k.pt"
 
 
