@@ -104,7 +104,7 @@ if [ $# -eq 0 ]; then
     train.init_from=checkpoints/smollm2/$(basename "$init") train.batch_size=64 train.steps=1200 \
     train.lr=1.5e-4 train.warmup_steps=50 train.weight_decay=0.05 train.val_every=200 train.log_every=50 \
     train.val_sequences=32 train.max_seconds=$(( budget - 200 )) train.matmul_precision=high \
-    drafter.gamma=1.5 drafter.max_fill=6 logger=none \
+    drafter.gamma=1.5 drafter.max_fill=6 'drafter.fill_weights=[5,4,3,2,1,1,1]' logger=none \
     output=checkpoints/smollm2/dflash_gpu_$(date +%Y%m%d).pt   # NOTE: never the name it starts from (not returned)
 fi
 # NOTE: the device tool stops a call at 600 s; a SIGINT before that ends training early and still saves

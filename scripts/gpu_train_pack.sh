@@ -8,7 +8,7 @@
 # scripts/gpu_train.sh, there, puts the parts together. Usage: scripts/gpu_train_pack.sh [init checkpoint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-init=${1:-checkpoints/smollm2/dflash_56k.pt}   # the best drafter of its own tree (session 56)
+init=${1:-checkpoints/smollm2/dflash_56k_weighted.pt}   # the best drafter of its own tree (session 57)
 python=${PYTHON:-.venv/bin/python}
 [ "$init" = none ] || [ -f "$init" ] || { echo "gpu_train_pack: no checkpoint $init (pass one, or 'none')"; exit 1; }
 stage=$(mktemp -d)

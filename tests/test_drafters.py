@@ -6,6 +6,7 @@ suffix-then-EAGLE cascade is lossless; ShareGPT's recorded answers extend the tr
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from dataclasses import replace
@@ -39,8 +40,8 @@ from lab.spec.tree import ROOT
 from lab.training import data as training_data
 from lab.training.data import (DataConfig, Sequence, generate_responses, load_corpus, load_training_data,
                                online_features, reference_sequences, target_features)
-from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, make_batch,
-                                 on_greedy_path)
+from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, draw_fills,
+                                 make_batch, on_greedy_path)
 from lab.training.precision import cpu_has_bf16_matmul
 from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
 from lab.workloads import DatasetWorkload
@@ -1456,6 +1457,36 @@ def test_dflash_trained_with_fills_records_them_and_scores_only_drafted_offsets(
     with pytest.raises(LabError, match="drafter.max_fill"):
         train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
                       dict(OPTIONS["dflash"], max_fill=3), path.parent / "x.pt", "test", path.parent, log=lambda _: None)
+
+
+def test_fill_weights_set_the_share_of_each_fill_count(trained: dict, tiny_runner: ModelRunner) -> None:
+    """drafter.fill_weights: fill f drawn with probability weights[f] / sum (None: uniform, as before); a list of
+    the wrong length, a negative or all-zero one, or one without max_fill is refused before any training."""
+    generator = torch.Generator().manual_seed(0)
+    fills = draw_fills(torch.Size((200, 50)), 3, (4.0, 2.0, 1.0, 0.0), generator)
+    shares = torch.bincount(fills.flatten(), minlength=4).double() / fills.numel()
+    expected = torch.tensor([4 / 7, 2 / 7, 1 / 7, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(shares, expected, atol=0.015, rtol=0)
+    same = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(draw_fills(torch.Size((5, 6)), 2, None, torch.Generator().manual_seed(1)), same)
+    path = trained["dflash_fill"][0]
+    for weights, error in (([2, 1], "has 2 weights, drafter.max_fill=2 needs 3"),
+                           ([1, -1, 1], "numbers >= 0"), ([0, 0, 0], "not all 0"), ("3,1,1", "must be a list")):
+        with pytest.raises(LabError, match=error):
+            train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
+                          dict(OPTIONS["dflash"], max_fill=2, fill_weights=weights), path.parent / "x.pt", "test",
+                          path.parent, log=lambda _: None)
+    with pytest.raises(LabError, match="drafter.max_fill is 0"):
+        train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
+                      dict(OPTIONS["dflash"], fill_weights=[1]), path.parent / "x.pt", "test", path.parent,
+                      log=lambda _: None)
+    weighted = path.parent / "dflash_fill_weighted.pt"
+    train = TrainConfig(steps=3, batch_size=4, max_seq_len=96, val_sequences=4, log_every=1000, init_from=str(path))
+    metrics = train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), train,
+                            dict(OPTIONS["dflash"], max_fill=2, fill_weights=[3, 1, 0]), weighted, "test",
+                            path.parent, log=lambda _: None)
+    assert load_drafter(weighted, "dflash", tiny_runner.model).config.max_fill == 2
+    assert math.isfinite(metrics["train/last_loss"])
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4])

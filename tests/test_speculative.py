@@ -216,9 +216,9 @@ def test_sampled_speculation_runs_seeded_and_reproducibly(tiny_runner: ModelRunn
     assert first == sample() and all(len(o) == 16 for o in first)
 
 
-# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 6 offsets given: it redrafts
-#   under paths of up to 6 tokens
-LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_56k.pt"
+# NOTE: engine=dflash_tree's drafter (proposer/dflash_tree.yaml), trained with up to 6 offsets given (fewer more
+#   often): it redrafts under paths of up to 6 tokens
+LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_56k_weighted.pt"
 
 
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",

@@ -217,19 +217,20 @@ def dflash_predictions(drafter: DFlashDrafter, target: DecoderModel, batch: Batc
 
 def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_anchors: int = 16,
                 gamma: float = 7.0, generator: torch.Generator | None = None, draft_vocab_size: int = 0,
-                per_offset: bool = False, greedy_path: bool = True, max_fill: int = 0
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                per_offset: bool = False, greedy_path: bool = True, max_fill: int = 0,
+                fill_weights: tuple[float, ...] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted block cross-entropy and its metrics. max_fill > 0: each block's first f offsets are given as
-    the text's tokens, f uniform in 0..max_fill, and offset j weighs as offset j - f would (the first drafted one
-    most); the acceptance metrics (`acceptance_length`, `top1_first`, per offset) count the blocks with f = 0, and
-    `top1_after_fill` is the first drafted offset's agreement in the others."""
+    the text's tokens, f in 0..max_fill drawn uniformly or by `fill_weights` (max_fill + 1 relative weights, the
+    first for f = 0), and offset j weighs as offset j - f would (the first drafted one most); the acceptance
+    metrics (`acceptance_length`, `top1_first`, per offset) count the blocks with f = 0, and `top1_after_fill` is
+    the first drafted offset's agreement in the others."""
     if per_offset and max_fill:
         raise ValueError("the per-offset metrics score whole blocks of masks: set max_fill=0 with per_offset")
     block = drafter.block_size
     anchors = sample_anchors(batch, num_anchors, generator)
     fills = None
     if max_fill > 0:
-        fills = torch.randint(0, max_fill + 1, anchors.shape, generator=generator).to(anchors.device)   # (S, M)
+        fills = draw_fills(anchors.shape, max_fill, fill_weights, generator).to(anchors.device)        # (S, M)
     blocks = dflash_predictions(drafter, target, batch, anchors, draft_vocab_size, greedy_path, fills)
     labels, keep, logits, targets, probs = blocks.labels, blocks.keep, blocks.logits, blocks.targets, blocks.probs
     offsets = torch.arange(1, block, device=logits.device).expand_as(labels)
@@ -267,6 +268,18 @@ def dflash_loss(drafter: DFlashDrafter, target: DecoderModel, batch: Batch, num_
         if probs is not None:
             metrics.update(_first_offset_by_confidence(probs, correct[keep], keep))
     return ce, metrics
+
+
+def draw_fills(shape: torch.Size, max_fill: int, weights: tuple[float, ...] | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """How many of each block's first offsets are given, (shape) in 0..max_fill: uniform (weights None), else
+    f drawn with probability weights[f] / sum(weights)."""
+    if weights is None:
+        return torch.randint(0, max_fill + 1, shape, generator=generator)
+    if len(weights) != max_fill + 1 or min(weights) < 0 or sum(weights) <= 0:
+        raise ValueError(f"fill_weights needs max_fill + 1 = {max_fill + 1} weights >= 0, not all 0; got {weights}")
+    probs = torch.tensor(weights, dtype=torch.float64)
+    return torch.multinomial(probs, math.prod(shape), replacement=True, generator=generator).view(shape)
 
 
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)

@@ -182,7 +182,7 @@ SHAPE_OPTIONS = {"eagle": ("feature_layer", "intermediate_size"),
                             "mask_per_position", "input_fusion")}
 RECIPE_OPTIONS = {"eagle": ("start_as_identity", "ce_weight", "noise", "ce_positions", "draft_vocab_size"),
                   "dflash": ("start_as_identity", "anchors_per_seq", "gamma", "greedy_path", "max_fill",
-                             "draft_vocab_size")}
+                             "fill_weights", "draft_vocab_size")}
 
 
 def check_drafter_options(kind: str, options: dict[str, Any]) -> None:
@@ -239,6 +239,7 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         if not 0 <= options.get("max_fill", 0) <= drafter.block_size - 2:
             raise LabError(f"drafter.max_fill must be in 0..{drafter.block_size - 2} (block size - 2), "
                            f"got {options['max_fill']}", "set drafter.max_fill to the denoising steps wanted - 1")
+        _check_fill_weights(options.get("fill_weights"), options.get("max_fill", 0))
         drafter.config = replace(drafter.config, max_fill=max(drafter.config.max_fill, options.get("max_fill", 0)))
     drafter = drafter.to(target.device)   # NOTE: batches are built on the CPU (the cached features) and moved here
     target_model = target.model.float().eval()
@@ -337,7 +338,32 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
     return lambda drafter, batch, generator: dflash_loss(
         drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
         options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True),
-        max_fill=options.get("max_fill", 0))
+        max_fill=options.get("max_fill", 0), fill_weights=_fill_weights(options))
+
+
+def _fill_weights(options: dict[str, Any]) -> tuple[float, ...] | None:
+    weights = options.get("fill_weights")
+    return None if weights is None else tuple(float(w) for w in weights)
+
+
+def _check_fill_weights(weights: Any, max_fill: int) -> None:
+    """drafter.fill_weights: null, or max_fill + 1 numbers >= 0 (the relative shares of blocks given 0, 1, ..,
+    max_fill offsets), not all 0."""
+    if weights is None:
+        return
+    fix = (f"set drafter.fill_weights to {max_fill + 1} weights for 0..{max_fill} given offsets, e.g. "
+           f"[{','.join(['2'] + ['1'] * max_fill)}], or to null (uniform)")
+    if not max_fill:
+        raise LabError("drafter.fill_weights weighs how many offsets a block is given, but drafter.max_fill is 0",
+                       "set drafter.max_fill >= 1, or drop drafter.fill_weights")
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
+        raise LabError(f"drafter.fill_weights must be a list, got {weights!r}", fix)
+    if len(weights) != max_fill + 1:
+        raise LabError(f"drafter.fill_weights has {len(weights)} weights, drafter.max_fill={max_fill} needs "
+                       f"{max_fill + 1} (for 0..{max_fill} given offsets)", fix)
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights) \
+            or not sum(weights) > 0:
+        raise LabError(f"drafter.fill_weights must be numbers >= 0, not all 0, got {list(weights)}", fix)
 
 
 def _sampler(sizes: list[int], shares: list[float | None], generator: torch.Generator) -> Callable[[int], list[int]]:
