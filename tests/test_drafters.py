@@ -43,7 +43,8 @@ from lab.training.data import (DataConfig, Sequence, generate_responses, load_co
 from lab.training.losses import (CONFIDENCE_EDGES, BlockPredictions, dflash_loss, dflash_predictions, draw_fills,
                                  make_batch, on_greedy_path)
 from lab.training.precision import cpu_has_bf16_matmul
-from lab.training.recipe import TrainConfig, deepen_dflash, init_from_target, train_drafter
+from lab.training.recipe import (TrainConfig, check_drafter_options, deepen_dflash, init_from_target,
+                                 train_drafter)
 from lab.workloads import DatasetWorkload
 from tests.conftest import compose_cfg
 from tests.helpers import load_experiment, make_requests, record_drafts, run_one_arrival_per_step
@@ -1471,11 +1472,14 @@ def test_fill_weights_set_the_share_of_each_fill_count(trained: dict, tiny_runne
     assert torch.equal(draw_fills(torch.Size((5, 6)), 2, None, torch.Generator().manual_seed(1)), same)
     path = trained["dflash_fill"][0]
     for weights, error in (([2, 1], "has 2 weights, drafter.max_fill=2 needs 3"),
-                           ([1, -1, 1], "numbers >= 0"), ([0, 0, 0], "not all 0"), ("3,1,1", "must be a list")):
+                           ([1, -1, 1], "numbers >= 0"), ([0, 0, 0], "not all 0"), ([1, float("inf"), 1], "finite"),
+                           ("3,1,1", "must be a list")):
         with pytest.raises(LabError, match=error):
             train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
                           dict(OPTIONS["dflash"], max_fill=2, fill_weights=weights), path.parent / "x.pt", "test",
                           path.parent, log=lambda _: None)
+    with pytest.raises(LabError, match="needs 3"):   # NOTE: lab-train's check, before the target loads
+        check_drafter_options("dflash", {"max_fill": 2, "fill_weights": [1, 1]})
     with pytest.raises(LabError, match="drafter.max_fill is 0"):
         train_drafter("dflash", tiny_runner, DataConfig(num_prompts=40), TrainConfig(steps=1, init_from=str(path)),
                       dict(OPTIONS["dflash"], fill_weights=[1]), path.parent / "x.pt", "test", path.parent,

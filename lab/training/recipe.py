@@ -199,6 +199,8 @@ def check_drafter_options(kind: str, options: dict[str, Any]) -> None:
                            f"did you mean drafter.{close[0]}?" if close else f"remove drafter.{key}")
     config = {"eagle": EagleConfig, "dflash": DFlashConfig}[kind]
     check_call(config, {k: v for k, v in options.items() if k in SHAPE_OPTIONS[kind]}, "drafter")
+    if kind == "dflash":
+        _check_fill_weights(options.get("fill_weights"), options.get("max_fill", 0))
 
 
 def build_drafter(kind: str, target: ModelRunner, options: dict[str, Any]) -> nn.Module:
@@ -239,7 +241,6 @@ def train_drafter(kind: str, target: ModelRunner, data: DataConfig, train: Train
         if not 0 <= options.get("max_fill", 0) <= drafter.block_size - 2:
             raise LabError(f"drafter.max_fill must be in 0..{drafter.block_size - 2} (block size - 2), "
                            f"got {options['max_fill']}", "set drafter.max_fill to the denoising steps wanted - 1")
-        _check_fill_weights(options.get("fill_weights"), options.get("max_fill", 0))
         drafter.config = replace(drafter.config, max_fill=max(drafter.config.max_fill, options.get("max_fill", 0)))
     drafter = drafter.to(target.device)   # NOTE: batches are built on the CPU (the cached features) and moved here
     target_model = target.model.float().eval()
@@ -361,9 +362,9 @@ def _check_fill_weights(weights: Any, max_fill: int) -> None:
     if len(weights) != max_fill + 1:
         raise LabError(f"drafter.fill_weights has {len(weights)} weights, drafter.max_fill={max_fill} needs "
                        f"{max_fill + 1} (for 0..{max_fill} given offsets)", fix)
-    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights) \
-            or not sum(weights) > 0:
-        raise LabError(f"drafter.fill_weights must be numbers >= 0, not all 0, got {list(weights)}", fix)
+    if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0
+               for w in weights) or not sum(weights) > 0:
+        raise LabError(f"drafter.fill_weights must be finite numbers >= 0, not all 0, got {list(weights)}", fix)
 
 
 def _sampler(sizes: list[int], shares: list[float | None], generator: torch.Generator) -> Callable[[int], list[int]]:
