@@ -1462,7 +1462,8 @@ def test_dflash_trained_with_fills_records_them_and_scores_only_drafted_offsets(
 
 def test_fill_weights_set_the_share_of_each_fill_count(trained: dict, tiny_runner: ModelRunner) -> None:
     """drafter.fill_weights: fill f drawn with probability weights[f] / sum (None: uniform, as before); a list of
-    the wrong length, a negative or all-zero one, or one without max_fill is refused before any training."""
+    the wrong length, a negative, infinite or all-zero one, a string, or one without max_fill is refused before any
+    training (by lab-train before the target loads)."""
     generator = torch.Generator().manual_seed(0)
     fills = draw_fills(torch.Size((200, 50)), 3, (4.0, 2.0, 1.0, 0.0), generator)
     shares = torch.bincount(fills.flatten(), minlength=4).double() / fills.numel()
@@ -1470,6 +1471,8 @@ def test_fill_weights_set_the_share_of_each_fill_count(trained: dict, tiny_runne
     torch.testing.assert_close(shares, expected, atol=0.015, rtol=0)
     same = torch.randint(0, 3, (5, 6), generator=torch.Generator().manual_seed(1))
     assert torch.equal(draw_fills(torch.Size((5, 6)), 2, None, torch.Generator().manual_seed(1)), same)
+    with pytest.raises(ValueError, match="needs max_fill \\+ 1 = 3 weights"):
+        draw_fills(torch.Size((5, 6)), 2, (1.0, 1.0), generator)
     path = trained["dflash_fill"][0]
     for weights, error in (([2, 1], "has 2 weights, drafter.max_fill=2 needs 3"),
                            ([1, -1, 1], "numbers >= 0"), ([0, 0, 0], "not all 0"), ([1, float("inf"), 1], "finite"),

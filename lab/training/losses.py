@@ -276,8 +276,8 @@ def draw_fills(shape: torch.Size, max_fill: int, weights: tuple[float, ...] | No
     f drawn with probability weights[f] / sum(weights)."""
     if weights is None:
         return torch.randint(0, max_fill + 1, shape, generator=generator)
-    if len(weights) != max_fill + 1 or min(weights) < 0 or sum(weights) <= 0:
-        raise ValueError(f"fill_weights needs max_fill + 1 = {max_fill + 1} weights >= 0, not all 0; got {weights}")
+    if len(weights) != max_fill + 1:   # NOTE: multinomial itself refuses negative, infinite or all-zero weights
+        raise ValueError(f"fill_weights needs max_fill + 1 = {max_fill + 1} weights, got {weights}")
     probs = torch.tensor(weights, dtype=torch.float64)
     return torch.multinomial(probs, math.prod(shape), replacement=True, generator=generator).view(shape)
 

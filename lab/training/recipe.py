@@ -336,15 +336,12 @@ def _objective(kind: str, options: dict[str, Any], target: DecoderModel) -> Obje
         return lambda drafter, batch, generator: eagle_loss(
             drafter, target, batch, options.get("ce_weight", 0.1), options.get("noise", 0.1),
             options.get("ce_positions", 128), generator, options.get("draft_vocab_size", 0))
+    weights = options.get("fill_weights")
+    fill_weights = None if weights is None else tuple(float(w) for w in weights)
     return lambda drafter, batch, generator: dflash_loss(
         drafter, target, batch, options.get("anchors_per_seq", 16), options.get("gamma", 7.0), generator,
         options.get("draft_vocab_size", 0), greedy_path=options.get("greedy_path", True),
-        max_fill=options.get("max_fill", 0), fill_weights=_fill_weights(options))
-
-
-def _fill_weights(options: dict[str, Any]) -> tuple[float, ...] | None:
-    weights = options.get("fill_weights")
-    return None if weights is None else tuple(float(w) for w in weights)
+        max_fill=options.get("max_fill", 0), fill_weights=fill_weights)
 
 
 def _check_fill_weights(weights: Any, max_fill: int) -> None:
