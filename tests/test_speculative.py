@@ -224,15 +224,15 @@ LEVELS_CHECKPOINT = "checkpoints/smollm2/dflash_56k_weighted.pt"
 @pytest.mark.parametrize("proposer", ["layerskip", "ngram", "eagle", "dflash", "eagle_sharegpt", "dflash_sharegpt",
                                       "eagle_gsm8k", "dflash_gsm8k", "dflash_mix", "eagle_tree", "dflash_tree",
                                       "dflash_denoise", "dflash_paths", "dflash_redraft", "dflash_levels",
-                                      "dflash_onpolicy", "dflash_grafted"])
+                                      "dflash_onpolicy", "dflash_gpu_cpu", "dflash_grafted"])
 def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner: ModelRunner) -> None:
     """The real model; eagle and dflash draft with every committed checkpoint (checkpoints/smollm2/: the defaults,
     trained on ShareGPT and GSM8K's questions, DFlash's then on the target's own answers, with offset 1 sometimes
     given; those on ShareGPT alone; those trained further on GSM8K alone; DFlash's before the target's own answers
-    and before the given offsets), and the defaults verifying a tree of drafts (3 candidates for the first position;
-    DFlash's 24 likeliest paths, also redrafted under 4 first tokens, and under 16 paths at each of 6 levels over the
-    whole block as engine=dflash_tree does, and that with suffix decoding's chain grafted on); the drafter trained
-    with fills, drafting in 3 denoising steps."""
+    and before the given offsets, and the chain's default until session 58), and the defaults verifying a tree of
+    drafts (3 candidates for the first position; DFlash's 24 likeliest paths, also redrafted under 4 first tokens,
+    and under 16 paths at each of 6 levels over the whole block as engine=dflash_tree does, and that with suffix
+    decoding's chain grafted on); the drafter trained with fills, drafting in 3 denoising steps."""
     tokenizer = smollm2_runner.tokenizer
     prompts = [chat_prompt(tokenizer, t) for t in ("Repeat after me: one two three, one two three.",
                                                     "What is 2+2?", "Name a colour.")]
@@ -250,6 +250,7 @@ def test_greedy_speculation_is_lossless_on_smollm2(proposer: str, smollm2_runner
               "dflash_levels": DFlashProposerConfig(checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=16,
                                                     tree_redraft_levels=6),
               "dflash_onpolicy": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_onpolicy.pt"),
+              "dflash_gpu_cpu": DFlashProposerConfig(checkpoint="checkpoints/smollm2/dflash_gpu_cpu.pt"),
               "dflash_grafted": CascadeProposerConfig(
                   SuffixProposerConfig(min_confidence=0.1), DFlashProposerConfig(
                       checkpoint=LEVELS_CHECKPOINT, tree_nodes=24, tree_redraft=16, tree_redraft_levels=6), 7, graft=True),

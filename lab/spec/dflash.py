@@ -396,7 +396,7 @@ class DFlashProposerConfig:
     follow from it; tree_redraft_levels L: then under the tree's tree_redraft likeliest 2-token paths, ... L-token
     paths (a forward a level; a drafter trained with drafter.max_fill >= L)."""
 
-    checkpoint: str | None = "checkpoints/smollm2/dflash_gpu_cpu.pt"
+    checkpoint: str | None = "checkpoints/smollm2/dflash_56k_weighted.pt"
     seed: int = 0
     drafter: dict = field(default_factory=dict)
     draft_vocab_size: int = 8192
