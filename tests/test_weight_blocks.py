@@ -61,7 +61,8 @@ def test_constant_blocks_round_trip() -> None:
 
 @pytest.fixture(params=[False, True], ids=["avx2", "avx512"])
 def block_isa(request: pytest.FixtureRequest):
-    """The block GEMV's AVX2 path, then its AVX-512 one (4-5 rows in registers) where this CPU has AVX-512F/VL."""
+    """The block GEMV's AVX2 path, then its AVX-512 one (two weight rows to a register, input rows in chunks of up to
+    9) where this CPU has AVX-512F/VL."""
     if native_gemv.load_kernel() is None:
         pytest.skip("the native GEMV cannot be built here")
     default = native_gemv.blocks_avx512()
@@ -79,7 +80,7 @@ def test_block_gemv_is_bit_identical_to_the_fp32_gemv(fmt: str, shape: tuple[int
     weight = ROUNDERS[fmt](torch.randn(*shape, generator=generator) * 0.05)
     blocks = weight_blocks.find_blocks(weight, fmt)
     bias = torch.randn(shape[0], generator=generator)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 12, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 19, 64):
         x = torch.randn(rows, shape[1], generator=generator)
         assert torch.equal(native_gemv.gemv(x, blocks, bias), native_gemv.gemv(x, weight, bias)), rows
         assert torch.equal(native_gemv.gemv(x, blocks)[rows // 2], native_gemv.gemv(x[rows // 2], blocks))
@@ -183,6 +184,34 @@ def test_block_rows_keeps_blocks_up_to_the_last_row_count_where_they_win(monkeyp
     assert measured.max_rows == 10 and list(measured.speedups) == [6, 8, 10, 12]
     assert measured.speedups[6] == pytest.approx(1 / 0.88) and measured.speedups[12] < 1
     assert block_rows.measure_block_rows(pairs, floor=5, candidates=(12,)).max_rows == 5
+
+
+@pytest.mark.parametrize("avx2_cost,kept", [(1.0, True), (0.97, True), (0.9, False)])
+def test_block_isa_keeps_avx512_unless_avx2_is_clearly_faster(monkeypatch: pytest.MonkeyPatch, avx2_cost: float,
+                                                              kept: bool) -> None:
+    """The rule on a made-up clock: AVX-512 costs 1 a row; AVX2 `avx2_cost`. A 3 % edge for AVX2 is noise (AVX-512,
+    the default, stays), a 10 % one switches; the choice is what the kernel is left set to."""
+    clock, isa = [0.0], [True]
+    monkeypatch.setattr(block_rows.time, "perf_counter", lambda: clock[0])
+    monkeypatch.delenv("LAB_BLOCKS_AVX512", raising=False)
+
+    def fake_isa(enabled: bool | None = None) -> bool:
+        if enabled is not None:
+            isa[0] = enabled
+        return isa[0]
+
+    def fake_gemv(x: torch.Tensor, weight: torch.Tensor) -> None:
+        clock[0] += x.shape[0] * (1.0 if isa[0] else avx2_cost)
+
+    monkeypatch.setattr(block_rows.native_gemv, "blocks_avx512", fake_isa)
+    monkeypatch.setattr(block_rows.native_gemv, "gemv", fake_gemv)
+    pairs = [(torch.zeros(4, 32), torch.zeros(4, 24, dtype=torch.uint8))] * 6
+    measured = block_rows.measure_block_isa(pairs, reps=2)
+    assert measured.avx512 is kept and isa[0] is kept
+    assert list(measured.speedups) == list(block_rows.ISA_ROWS)
+    assert measured.speedups[7] == pytest.approx(avx2_cost)
+    monkeypatch.setenv("LAB_BLOCKS_AVX512", "1")           # NOTE: a fixed choice is not measured
+    assert block_rows.measure_block_isa(pairs) is None
 
 
 @needs_kernel

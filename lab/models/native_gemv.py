@@ -243,9 +243,10 @@ static void split_rows(int64_t out, int64_t row_bytes, int64_t max_threads, cons
 // did: each weight is its fp32 expansion's value, bit for bit. The products are then summed in dot_quad's
 // order (one 8-wide accumulator per weight row and input row, 8 columns at a time), so the outputs are
 // bit-identical to the fp32 GEMV's over the expanded weights, for any number of input rows.
-// Where the CPU has AVX-512F/VL (checked at run time: blocks_avx512), 4-5 input rows keep their accumulators in
-// the 32 vector registers AVX-512 gives (AVX2 has 16, enough for 3): the same 8-wide code, compiled for that target,
-// so the outputs are the AVX2 path's, bit for bit.
+// Where the CPU has AVX-512F/VL (checked at run time: blocks_avx512), every row count runs quad_in_pairs: two weight
+// rows' 8-wide accumulators to a 16-wide register, so the same sums take half the instructions, and up to 9 input
+// rows keep them in the 32 vector registers AVX-512 gives (AVX2 has 16, enough for 3): the outputs are the AVX2
+// path's, bit for bit.
 #define LAB_AVX512 __attribute__((target("avx512f,avx512vl")))
 
 static int g_blocks_avx512 = -1;   // -1: not decided yet; 0: AVX2; 1: AVX-512
@@ -284,10 +285,10 @@ struct Q8_0Block {
 };
 
 // Four block rows (row b0 + i * quarter_bytes for i < 4) against R input rows, widened in registers once for
-// all R: 4R accumulators + 4 widened vectors fit the 16 registers up to R = 3.
+// all R: 4R accumulators + 4 widened vectors fit AVX2's 16 registers up to R = 3.
 template <class Block, int R>
-__attribute__((always_inline)) static inline void block_quad(const uint8_t* b0, int64_t quarter_bytes, int64_t nb,
-                                                             const float* __restrict x, int64_t in, __m128* y) {
+static inline void quad_in_registers(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* __restrict x,
+                                     int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
@@ -301,24 +302,102 @@ __attribute__((always_inline)) static inline void block_quad(const uint8_t* b0, 
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r] = hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+  for (int r = 0; r < R; ++r) store_quad(y + r * out, i0, Q, hsum4x8(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-// block_quad inlined into an AVX-512 function: compiled with 32 vector registers, so 4-5 rows fit.
-template <class Block, int R>
-LAB_AVX512 static void block_quad_avx512(const uint8_t* b0, int64_t quarter_bytes, int64_t nb,
-                                         const float* __restrict x, int64_t in, __m128* y) {
-  block_quad<Block, R>(b0, quarter_bytes, nb, x, in, y);
+// ---- The same sums in AVX-512 registers, two weight rows to a register ----
+// A 16-wide register holds the 8-wide accumulators of two weight rows side by side ([row a | row b]), and each
+// 8 columns of an input row are loaded once into both halves: one 16-wide FMA does what two 8-wide ones did,
+// lane for lane the same products summed in the same order, so the outputs are the 8-wide code's, bit for bit.
+// Widening two rows' blocks into one register halves that work too. 2R accumulators + 8 widened vectors fit the
+// 32 registers up to R = 10 input rows; more rows run in chunks of at most 10 over the quad (then in L1).
+// [s(a) x 8 | s(b) x 8] for two fp32 scalars (a block's d or m in two rows)
+LAB_AVX512 static inline __m512 pair_scalars(const float* a, const float* b) {
+  return _mm512_mask_broadcastss_ps(_mm512_set1_ps(*a), 0xFF00, _mm_load_ss(b));
 }
 
-// One quad of block rows against R input rows, widened once in registers, stored (R > 3: AVX-512 only).
+struct Q4_1Pair {
+  // Blocks a and b -> w[c] = [row a's columns 8c..8c+7 | row b's], each d q + m rounded once as Q4_1Block::widen.
+  LAB_AVX512 static inline void widen(const uint8_t* a, const uint8_t* b, __m512 w[4]) {
+    const __m512 d = pair_scalars(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b));
+    const __m512 m = pair_scalars(reinterpret_cast<const float*>(a) + 1, reinterpret_cast<const float*>(b) + 1);
+    const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 8));
+    const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8));
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    // bytes 0-7 hold columns 0-7 (low nibbles) and 16-23 (high); bytes 8-15 columns 8-15 and 24-31
+    const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));
+    const __m512i second = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(qa, qb));
+    w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(first, low4)), m);
+    w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(second, low4)), m);
+    w[2] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(first, 4)), m);
+    w[3] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(second, 4)), m);
+  }
+};
+
+struct Q8_0Pair {
+  // Blocks a and b -> w[c] = [row a's columns 8c..8c+7 | row b's], each d q as Q8_0Block::widen.
+  LAB_AVX512 static inline void widen(const uint8_t* a, const uint8_t* b, __m512 w[4]) {
+    const __m512 d = pair_scalars(reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b));
+    for (int h = 0; h < 2; ++h) {
+      const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 4 + 16 * h));
+      const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4 + 16 * h));
+      w[2 * h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(qa, qb))));
+      w[2 * h + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(qa, qb))));
+    }
+  }
+};
+
+template <class Block> struct PairOf;
+template <> struct PairOf<Q4_1Block> { using type = Q4_1Pair; };
+template <> struct PairOf<Q8_0Block> { using type = Q8_0Pair; };
+
+// quad_in_registers' sums for R <= 10 input rows, two weight rows to a 16-wide register (bit-identical).
 template <class Block, int R>
-static inline void quad_in_registers(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* x,
+LAB_AVX512 static void quad_in_pairs(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* __restrict x,
                                      int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
-  __m128 ys[R];
-  if constexpr (R > 3) block_quad_avx512<Block, R>(b0, quarter_bytes, nb, x, in, ys);
-  else block_quad<Block, R>(b0, quarter_bytes, nb, x, in, ys);
-  for (int r = 0; r < R; ++r) store_quad(y + r * out, i0, Q, ys[r]);
+  using Pair = typename PairOf<Block>::type;
+  __m512 acc[R][2];                                  // [r][0] = weight rows 0 | 1, [r][1] = rows 2 | 3
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = b0 + b * Block::kBytes;
+    __m512 w01[4], w23[4];
+    Pair::widen(blk, blk + quarter_bytes, w01);
+    Pair::widen(blk + 2 * quarter_bytes, blk + 3 * quarter_bytes, w23);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * in + b * 32;
+      for (int c = 0; c < 4; ++c) {
+        const __m512 u = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(xb + 8 * c))));
+        acc[r][0] = _mm512_fmadd_ps(w01[c], u, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w23[c], u, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 a0 = _mm512_castps512_ps256(acc[r][0]);
+    const __m256 a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][0]), 1));
+    const __m256 a2 = _mm512_castps512_ps256(acc[r][1]);
+    const __m256 a3 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][1]), 1));
+    store_quad(y + r * out, i0, Q, hsum4x8(a0, a1, a2, a3));
+  }
+}
+
+// One quad against M input rows (any M), in chunks of at most 10 rows as even as they come.
+template <class Block>
+LAB_AVX512 static void quad_avx512(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* x, int64_t M,
+                                   int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
+  const int64_t chunks = (M + 8) / 9;
+  for (int64_t k = 0, m = 0; k < chunks; ++k) {
+    const int64_t rows = (M - m) / (chunks - k);
+    const float* xm = x + m * in;
+    float* ym = y + m * out;
+    switch (rows) {
+#define LAB_PAIR_ROWS(R) case R: quad_in_pairs<Block, R>(b0, quarter_bytes, nb, xm, in, ym, out, i0, Q); break;
+      LAB_PAIR_ROWS(1) LAB_PAIR_ROWS(2) LAB_PAIR_ROWS(3) LAB_PAIR_ROWS(4) LAB_PAIR_ROWS(5)
+      LAB_PAIR_ROWS(6) LAB_PAIR_ROWS(7) LAB_PAIR_ROWS(8) default: LAB_PAIR_ROWS(9)
+#undef LAB_PAIR_ROWS
+    }
+    m += rows;
+  }
 }
 
 template <class Block>
@@ -331,29 +410,30 @@ static inline void widen_row(const uint8_t* b, int64_t nb, float* w) {
 }
 
 // Rows [r0, r1) of Y = X W^T (+ bias) for M input rows, W as blocks (out rows of ld bytes, in = 32 nb columns):
-// gemv_rows' four side-by-side streams. Up to 3 input rows (5 with AVX-512) widen each block once in registers;
-// more widen the four rows into an L1 scratch once and run gemv_rows' own quad kernels over it.
+// gemv_rows' four side-by-side streams. With AVX-512 any number of input rows widen each block in registers, once
+// per 9 rows (quad_avx512); with AVX2 up to 3 do, and more widen the four rows into an L1 scratch once and run
+// gemv_rows' own quad kernels over it.
 template <class Block>
 static void gemv_block_rows(const uint8_t* __restrict w, int64_t ld, const float* __restrict x, int64_t M,
                             const float* bias, float* __restrict y, int64_t out, int64_t in, int64_t r0, int64_t r1) {
   const int64_t nb = in / 32, Q = (r1 - r0) / 4;
-  const int64_t in_registers = blocks_avx512(-1) ? 5 : 3;
-  std::vector<float> scratch(M > in_registers ? 4 * in : 0);
+  const bool pairs = blocks_avx512(-1);
+  std::vector<float> scratch(!pairs && M > 3 ? 4 * in : 0);
   std::vector<Tail> tails;
-  if (M > in_registers) {
+  if (!pairs && M > 3) {
     tails.reserve(M);
     for (int64_t m = 0; m < M; ++m) tails.emplace_back(x + m * in, in);
   }
   for (int64_t j = 0; j < Q; ++j) {
     const int64_t i0 = r0 + j;
     const uint8_t* b0 = w + i0 * ld;
-    if (M <= in_registers) {
+    if (pairs) {
+      quad_avx512<Block>(b0, Q * ld, nb, x, M, in, y, out, i0, Q);
+    } else if (M <= 3) {
       switch (M) {
         case 1: quad_in_registers<Block, 1>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
         case 2: quad_in_registers<Block, 2>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
-        case 3: quad_in_registers<Block, 3>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
-        case 4: quad_in_registers<Block, 4>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
-        default: quad_in_registers<Block, 5>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
+        default: quad_in_registers<Block, 3>(b0, Q * ld, nb, x, in, y, out, i0, Q); break;
       }
     } else {
       float* s = scratch.data();
@@ -1290,14 +1370,20 @@ def set_enabled(enabled: bool) -> None:
 
 
 def blocks_avx512(enabled: bool | None = None) -> bool:
-    """Whether GGUF-block GEMVs of 4-5 rows keep their accumulators in AVX-512's 32 registers (where this CPU
-    has AVX-512F/VL; outputs bit-identical to the AVX2 path's, which widens 4-5 rows through an L1 scratch);
+    """Whether GGUF-block GEMVs run two weight rows to a 16-wide register (where this CPU has AVX-512F/VL): half
+    the AVX2 path's instructions, up to 9 input rows in registers, outputs bit-identical to the AVX2 path's;
     `enabled` switches it for this process (tests, A/B runs), None only asks. LAB_BLOCKS_AVX512=0 starts a
     process with it off."""
     kernel = load_kernel()
     if kernel is None:
         return False
     return bool(kernel.blocks_avx512(-1 if enabled is None else int(enabled)))
+
+
+def blocks_isa_fixed() -> bool:
+    """Whether LAB_BLOCKS_AVX512 (0 or 1) fixed the block GEMV's instruction set for this process, so that nothing
+    measures it (lab/models/block_rows.py: measure_block_isa)."""
+    return os.environ.get("LAB_BLOCKS_AVX512") in ("0", "1")
 
 
 def usable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:

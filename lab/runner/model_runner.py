@@ -14,7 +14,7 @@ from lab import huge_pages as huge_pages_module
 from lab.errors import LabError
 from lab.kv_cache import AttentionCache, BlockKVCache, ContiguousKVCache
 from lab.models import native_gemv, native_tiles
-from lab.models.block_rows import measure_block_rows
+from lab.models.block_rows import measure_block_isa, measure_block_rows
 from lab.models.config import DecoderConfig
 from lab.models.decoder import DecoderModel
 from lab.models.packed_linear import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
@@ -90,6 +90,8 @@ class ModelRunner:
             self.block_linears, linears = self.model.use_block_weights(tiles=tiles)
             if self.block_linears and self.use_huge_pages:
                 self.model.use_huge_pages()
+            if self.block_linears and not tiles:
+                self._choose_block_isa()
             if self.block_linears:
                 self.model.set_block_max_rows(GEMV_MAX_ROWS if tiles and block_rows == "auto"
                                               else self._block_rows(block_rows))
@@ -115,6 +117,13 @@ class ModelRunner:
                            f"{'/'.join(native_tiles.CPU_FLAGS)}, or Linux refused the tile state)",
                            "use model.block_kernel=auto (AMX where available, else AVX) or avx")
         return "avx"
+
+    def _choose_block_isa(self) -> None:
+        measured = measure_block_isa(self.model.block_pairs())
+        if measured is not None:
+            log.info("GGUF blocks, AVX-512 against AVX2 here, by rows: %s (%.2f s): %s", ", ".join(
+                f"{rows}: {s:.2f}x" for rows, s in measured.speedups.items()), measured.seconds,
+                "AVX-512" if measured.avx512 else "AVX2")
 
     def _block_rows(self, block_rows: int | str) -> int:
         if block_rows != "auto":
