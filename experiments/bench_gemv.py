@@ -23,8 +23,8 @@ AMX-BF16), with each row count's cost in one-row calls and the tiles' error agai
 `--blocks` (with --rows) times the weights as GGUF blocks (lab/models/weight_blocks.py) against the same values in
 fp32: all 120 projections of SmolLM2's 30 layers (random values rounded to Q4_1, one copy each, as a decode step
 streams them) and the Q8_0 head, per row count, through the AVX2 kernel and, where the CPU has AVX-512F/VL, the
-AVX-512 one (the same code for 1-3 rows; 4-5 rows in registers), checking every output is bit-identical
-(docs/benchmarks.md).
+AVX-512 one (two weight rows to a 16-wide register at every row count, session 59), checking every output is
+bit-identical (docs/benchmarks.md).
 
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
     python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
@@ -203,7 +203,7 @@ def blocks_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
                         for w, b in projections[:4] + [(head, head_blocks)])
             blocks[isa], head_q8[isa] = sweep_ms(projections, 1, xs, reps), sweep_ms([(head, head_blocks)], 1, xs, reps)
         native_gemv.blocks_avx512(default)
-        used = isas[-1]   # NOTE: the path engines take here (AVX-512 where present); speedups are its
+        used = isas[-1]   # NOTE: the path engines take where it measures faster at load (AVX-512); speedups are its
         print(f"| {m} | {fp32:.1f} | {blocks[False]:.1f} | {_ms(blocks.get(True))} | {fp32 / blocks[used]:.2f}x "
               f"| {head_fp32:.1f} | {head_q8[False]:.1f} | {_ms(head_q8.get(True))} | {head_fp32 / head_q8[used]:.2f}x "
               f"| {same} |")

@@ -310,7 +310,9 @@ static inline void quad_in_registers(const uint8_t* b0, int64_t quarter_bytes, i
 // 8 columns of an input row are loaded once into both halves: one 16-wide FMA does what two 8-wide ones did,
 // lane for lane the same products summed in the same order, so the outputs are the 8-wide code's, bit for bit.
 // Widening two rows' blocks into one register halves that work too. 2R accumulators + 8 widened vectors fit the
-// 32 registers up to R = 10 input rows; more rows run in chunks of at most 10 over the quad (then in L1).
+// 32 registers up to R = 9 input rows (10 spilled on the Q8_0 head); more rows run in chunks of at most 9 over the
+// quad (then in L1).
+
 // [s(a) x 8 | s(b) x 8] for two fp32 scalars (a block's d or m in two rows)
 LAB_AVX512 static inline __m512 pair_scalars(const float* a, const float* b) {
   return _mm512_mask_broadcastss_ps(_mm512_set1_ps(*a), 0xFF00, _mm_load_ss(b));
@@ -351,7 +353,7 @@ template <class Block> struct PairOf;
 template <> struct PairOf<Q4_1Block> { using type = Q4_1Pair; };
 template <> struct PairOf<Q8_0Block> { using type = Q8_0Pair; };
 
-// quad_in_registers' sums for R <= 10 input rows, two weight rows to a 16-wide register (bit-identical).
+// quad_in_registers' sums for R <= 9 input rows, two weight rows to a 16-wide register (bit-identical).
 template <class Block, int R>
 LAB_AVX512 static void quad_in_pairs(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* __restrict x,
                                      int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
@@ -381,7 +383,7 @@ LAB_AVX512 static void quad_in_pairs(const uint8_t* b0, int64_t quarter_bytes, i
   }
 }
 
-// One quad against M input rows (any M), in chunks of at most 10 rows as even as they come.
+// One quad against M input rows (any M), in chunks of at most 9 rows as even as they come.
 template <class Block>
 LAB_AVX512 static void quad_avx512(const uint8_t* b0, int64_t quarter_bytes, int64_t nb, const float* x, int64_t M,
                                    int64_t in, float* y, int64_t out, int64_t i0, int64_t Q) {
