@@ -59,8 +59,9 @@ def measure_block_isa(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], rows: 
     """pairs as measure_block_rows' -> the block GEMV's AVX2 and AVX-512 paths timed at each of `rows` (the best of
     `reps` alternating sweeps over every `every`-th pair's blocks); AVX-512, the default, is kept unless AVX2 took
     under `switch_below` of its time over all of them together (a clear loss, not noise), and the choice is set for
-    this process. None where there is nothing to choose: the CPU lacks AVX-512F/VL, or LAB_BLOCKS_AVX512 fixed the
-    choice. Needs the native kernel."""
+    this process (paged attention's rows-in-pairs path follows the same switch: the kernel's attention_pairs; both are
+    bit-identical either way). None where there is nothing to choose: the CPU lacks AVX-512F/VL, or
+    LAB_BLOCKS_AVX512 fixed the choice. Needs the native kernel."""
     if native_gemv.blocks_isa_fixed() or not native_gemv.blocks_avx512(True):
         return None
     start = time.perf_counter()
