@@ -29,7 +29,12 @@ bit-identical (docs/benchmarks.md).
     OMP_WAIT_POLICY=PASSIVE python experiments/bench_gemv.py --threads 1 --rows 2,3,5,8
     python experiments/bench_gemv.py --rows 1,2,3,4,5,8,12 --floor
     python experiments/bench_gemv.py --rows 1,2,3,5,8,12 --blocks
+`--head` times the Q8_0 head's greedy screen (lab/models/native_head.py: a row's argmax without its logits, on
+a CPU with AVX-512 VNNI) against the full head (the block GEMV's logits, then their argmax), the head cold in every
+call as in a decode step (SmolLM2's 120 projections streamed between calls), checking every argmax is the same.
+
     python experiments/bench_gemv.py --tiles        # AVX blocks against AMX tiles, 1-64 rows
+    python experiments/bench_gemv.py --head --rows 1,2,3,5,7,12
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lab.models import native_gemv, native_tiles, weight_blocks
+from lab.models import native_gemv, native_head, native_tiles, weight_blocks
 
 SHAPES = {"qkv 576->960": (960, 576), "o 576->576": (576, 576), "gate_up 576->3072": (3072, 576),
           "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
@@ -71,6 +76,8 @@ def main() -> None:
     parser.add_argument("--blocks", action="store_true", help="only the GGUF-blocks table: blocks against fp32")
     parser.add_argument("--tiles", action="store_true",
                         help="only the AMX table: GGUF blocks through AVX against AMX tiles (a CPU with AMX-BF16)")
+    parser.add_argument("--head", action="store_true",
+                        help="only the greedy head's table: its screen against the full head (AVX-512 VNNI)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     native_gemv.load_kernel()
@@ -81,6 +88,11 @@ def main() -> None:
         if not native_tiles.available():
             raise SystemExit("--tiles needs the native kernel and a CPU with AMX-BF16")
         tiles_table([int(m) for m in (args.rows or "1,2,3,4,8,16,32,64").split(",")], args.reps)
+        return
+    if args.head:
+        if not native_head.supported():
+            raise SystemExit("--head needs the native kernel and a CPU with AVX-512 VNNI")
+        head_table([int(m) for m in (args.rows or "1,2,3,5,7,12").split(",")], args.reps)
         return
     if args.blocks:
         if kernel is None:
@@ -242,6 +254,34 @@ def tiles_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
         print(f"| {m} | {avx:.1f} | {amx:.1f} | {avx / amx:.2f}x | {avx / one_row[0]:.2f} / {amx / one_row[1]:.2f} "
               f"| {head_avx:.2f} | {head_amx:.2f} "
               f"| {head_avx / head_amx:.2f}x | {error:.1e} |")
+
+
+def head_table(row_counts: list[int], reps: int, layers: int = 30) -> None:
+    """Per row count M: ms for the Q8_0 head's logits and their argmax (the full head) against the greedy screen's
+    argmax alone, each the best of `reps` calls with SmolLM2's 4 * `layers` projections streamed before it (the
+    head cold, as in a decode step), and whether every argmax is the same."""
+    generator = torch.Generator().manual_seed(0)
+    shapes, projections, (_, head_blocks) = block_weights(layers, generator)
+    screen = native_head.HeadScreen(head_blocks)
+    print("\n| rows | full head ms (logits + argmax) | greedy screen ms | speedup | same argmax |")
+    print("|---:|---:|---:|---:|---|")
+
+    def cold_ms(call, xs: dict[int, torch.Tensor]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            sweep_ms(projections, 1, xs, 1)
+            start = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    for m in row_counts:
+        xs = {inn: torch.randn(m, inn, generator=generator) for inn in {inn for _, inn in shapes}}
+        x = xs[head_blocks.shape[1] // weight_blocks.Q8_0_BYTES * 32]
+        full = cold_ms(lambda: native_gemv.argmax_rows(native_gemv.gemv(x, head_blocks)), xs)
+        screened = cold_ms(lambda: screen.argmax(x), xs)
+        same = torch.equal(screen.argmax(x), native_gemv.argmax_rows(native_gemv.gemv(x, head_blocks)))
+        print(f"| {m} | {full:.2f} | {screened:.2f} | {full / screened:.2f}x | {same} |")
 
 
 def _ms(value: float | None) -> str:

@@ -94,6 +94,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def needs_only_argmax(self) -> bool:
+        """Greedy, with nothing that reads or changes the logits (processors, logprobs): a step of such requests
+        needs only each row's argmax, which the head may find without the logits (model.greedy_head)."""
+        return self.is_greedy and not self.has_logits_processors and self.logprobs is None
+
+    @property
     def has_logits_processors(self) -> bool:
         """Anything lab/sample/logits_processors.py changes the logits for: penalties, logit_bias, min_tokens,
         structured outputs, allowed_token_ids and bad words."""

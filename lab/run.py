@@ -125,7 +125,8 @@ def build_runner(cfg: DictConfig) -> ModelRunner:
                        weight_blocks=cfg.model.get("weight_blocks", "auto"),
                        block_rows=cfg.model.get("block_rows", "auto"),
                        block_kernel=cfg.model.get("block_kernel", "auto"),
-                       huge_pages=cfg.model.get("huge_pages", "auto"))
+                       huge_pages=cfg.model.get("huge_pages", "auto"),
+                       greedy_head=cfg.model.get("greedy_head", "auto"))
 
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:
@@ -269,7 +270,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,
             "weight_blocks_max_rows": runner.model.block_max_rows if runner.block_linears else 0,
             "weight_blocks_kernel": runner.block_kernel if runner.block_linears else "none",
-            "huge_page_bytes": huge_pages.process_huge_page_bytes(),
+            "huge_page_bytes": huge_pages.process_huge_page_bytes(), "greedy_head": runner.greedy_head,
             "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
             "num_threads": torch.get_num_threads(), **profile_fields(profile), "config": resolved}
         write_results(run_dir, results, outcome.requests, runner.tokenizer)

@@ -13,6 +13,7 @@ import torch
 
 from lab.engines.base import Engine
 from lab.engines.speculative import SpeculativeEngine
+from lab.models.sources import ModelSource, tiny
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 
@@ -28,6 +29,13 @@ def load_experiment(name: str) -> ModuleType:
     sys.modules[name] = module   # NOTE: as an import would: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def block_source() -> ModelSource:
+    """A tiny model made of GGUF blocks: a tied Q8_0 head of 256 tokens (16 of the greedy screen's groups), Q4_1
+    projections."""
+    return tiny(seed=1, num_hidden_layers=3, with_tokenizer=False, vocab_size=256, tie_word_embeddings=True,
+                gguf_blocks=True)
 
 
 def make_requests(prompts: list[list[int]], max_tokens: int, **params: Any) -> list[Request]:

@@ -37,6 +37,7 @@ class MockRunner:
     max_model_len: int = 512
     eos_token_ids: set[int] = field(default_factory=set)
     num_forward_tokens: list[int] = field(default_factory=list)
+    greedy_head: bool = False          # NOTE: no greedy screen: every step gets its logits
 
     def allocate_block_kv_cache(self, num_blocks: int, block_size: int, backend: str = "fast",
                                 scratch_block: bool = False) -> BlockKVCache:
@@ -45,7 +46,8 @@ class MockRunner:
                             self.device, backend, scratch_block)
 
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: BlockKVCache,
-                logits_index: torch.Tensor) -> torch.Tensor:
+                logits_index: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        assert not greedy
         assert input_ids.shape == positions.shape == (1, len(cache.index.slot_mapping))
         self.num_forward_tokens.append(input_ids.shape[1])
         return torch.zeros(1, len(logits_index), self.config.vocab_size)

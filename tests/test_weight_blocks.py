@@ -18,7 +18,7 @@ from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from lab.sched import SchedulerConfig
 from lab.spec.ngram_config import NgramProposerConfig
-from tests.helpers import hf_greedy, load_experiment, make_requests
+from tests.helpers import block_source, hf_greedy, load_experiment, make_requests
 
 needs_kernel = pytest.mark.skipif(native_gemv.load_kernel() is None, reason="the native GEMV cannot be built here")
 
@@ -93,12 +93,6 @@ def test_block_gemv_names_bad_input() -> None:
         native_gemv.gemv(torch.randn(1, 48), blocks)
     with pytest.raises(RuntimeError, match="at most 64 rows"):
         native_gemv.gemv(torch.randn(65, 64), blocks)
-
-
-def block_source():
-    """A tiny model made of blocks (tied head: Q8_0, projections: Q4_1)."""
-    return tiny(seed=1, num_hidden_layers=3, with_tokenizer=False, vocab_size=256, tie_word_embeddings=True,
-                gguf_blocks=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from lab.engines.base import Engine, fail
 from lab.kv_cache import ContiguousKVCache, NoCache
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
-from lab.sample import Sampler
 from lab.sample.logprobs import token_logprobs
 from lab.sample.logits_processors import apply_logits_processors
+from lab.sample.sampler import GreedyRows, Sampler
 
 KV_ALLOC_ROUNDING = 256  # tokens; a cache this much larger is reused by the next requests
 
@@ -46,6 +46,7 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
     positions = torch.arange(start, start + len(new_token_ids)).unsqueeze(0)         # (1, T)
     prompt_positions = request.prompt_logprob_positions(start, len(new_token_ids))
     params = request.sampling_params
+    logits: torch.Tensor | GreedyRows
     if prompt_positions:
         every = runner.execute(input_ids, positions, cache, logits_index=None)[0]   # (T, V)
         first, end = prompt_positions.start, prompt_positions.stop
@@ -53,6 +54,9 @@ def advance(runner: ModelRunner, sampler: Sampler, request: Request, kv_cache: C
                                                              request.prompt_token_ids[first + 1:end + 1],
                                                              params.prompt_logprobs))
         logits = every[-1:]                                                          # (1, V)
+    elif runner.greedy_head and params.needs_only_argmax:
+        # NOTE: the argmax alone, found without the logits (model.greedy_head, lab/models/native_head.py)
+        logits = GreedyRows(runner.execute(input_ids, positions, cache, greedy=True))   # (1,)
     else:
         logits = runner.execute(input_ids, positions, cache)                         # (1, V)
     processed = apply_logits_processors(logits, [request], runner.eos_token_ids)

@@ -30,6 +30,7 @@ from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig, DecodeGraphs
 from lab.sample.logprobs import TokenLogprobs, token_logprobs
 from lab.sample.logits_processors import apply_logits_processors
+from lab.sample.sampler import GreedyRows
 from lab.sched import Scheduler, SchedulerConfig, SchedulerOutput
 
 
@@ -44,6 +45,7 @@ class StepBatch:
     samplers: list[Request]                       # the requests the first R' rows belong to, in order
     prompt_logprobs: list[tuple[Request, range]] = field(default_factory=list)   # the P rows' requests, positions
     in_graph: bool = False                        # a decode / verify step run by DecodeGraphs
+    greedy: bool = False                          # every sampler reads only its rows' argmax (GreedyRows)
 
 
 class ContinuousBatchingEngine(Engine):
@@ -136,7 +138,7 @@ class ContinuousBatchingEngine(Engine):
             batch = self._prepare_inputs(out, prepare_attention=not graph)
         batch.in_graph = graph
         with self.phases.phase(phase, num_tokens=batch.input_ids.shape[1]):
-            logits = self.forward(batch)                                                      # (R' + P, V)
+            logits = self.forward(batch)                                          # (R' + P, V) or GreedyRows
             with profile_range("sample"):
                 if batch.prompt_logprobs:
                     logits = self._record_prompt_logprobs(batch, logits)
@@ -154,14 +156,16 @@ class ContinuousBatchingEngine(Engine):
             row += len(positions)
         return sample_logits
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        """The target forward over the step's flat batch -> logits (R', V) at the rows to sample."""
+    def forward(self, batch: StepBatch) -> torch.Tensor | GreedyRows:
+        """The target forward over the step's flat batch -> logits (R', V) at the rows to sample (or their argmax
+        ids where batch.greedy)."""
         return self.target_forward(batch)[0]
 
     def target_forward(self, batch: StepBatch, feature_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor | GreedyRows, torch.Tensor | None]:
         """(logits (R', V) at the rows to sample, the features (N, F) of every token at `feature_layers` or
-        None), by graph replay or eagerly."""
+        None), by graph replay or eagerly. An eager step whose samplers read only their argmax (batch.greedy)
+        gets GreedyRows instead of the logits: the head's greedy screen finds them without (model.greedy_head)."""
         if batch.in_graph:
             # NOTE: a decode or verify step samples every token it runs, so its logits are the sample rows'.
             logits, features = self.decode_graphs.run(batch.input_ids, self.kv_cache.index)
@@ -171,10 +175,11 @@ class ContinuousBatchingEngine(Engine):
             return logits, features
         if feature_layers:
             logits, features = self.runner.execute_with_features(batch.input_ids, batch.positions, self.kv_cache,
-                                                                 batch.sample_rows, feature_layers)
-            return logits[0], features[0]
-        return self.runner.execute(batch.input_ids, batch.positions, self.kv_cache,
-                                   logits_index=batch.sample_rows)[0], None
+                                                                 batch.sample_rows, feature_layers, batch.greedy)
+            return _sample_rows(logits[0], batch.greedy), features[0]
+        logits = self.runner.execute(batch.input_ids, batch.positions, self.kv_cache, logits_index=batch.sample_rows,
+                                     greedy=batch.greedy)
+        return _sample_rows(logits[0], batch.greedy), None
 
     def _prepare_inputs(self, out: SchedulerOutput, prepare_attention: bool = True) -> StepBatch:
         """The step's flat batch; builds its KV index (block tables, slot mapping) in the cache, and the
@@ -205,11 +210,13 @@ class ContinuousBatchingEngine(Engine):
         return StepBatch(input_ids=torch.tensor(token_ids, dtype=torch.long)[None],
                          positions=self.kv_cache.index.positions[None],
                          sample_rows=torch.tensor(sample_rows + prompt_rows, dtype=torch.long), samplers=samplers,
-                         prompt_logprobs=prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, greedy=self.runner.greedy_head and not prompt_logprobs
+                         and all(r.sampling_params.needs_only_argmax for r in samplers))
 
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
-                      logits: torch.Tensor) -> dict[str, int | list[int]]:
-        """The hook speculative decoding overrides: logits (R, V), one row per sampling request."""
+                      logits: torch.Tensor | GreedyRows) -> dict[str, int | list[int]]:
+        """The hook speculative decoding overrides: logits (R, V), one row per sampling request (GreedyRows where
+        every one reads only its argmax: no processors or logprobs touch them then)."""
         processed = apply_logits_processors(logits, requests, self.runner.eos_token_ids)
         sampled = self.sampler.sample(processed, [r.sampling_params for r in requests],
                                       [self.generator_for(r) for r in requests])
@@ -275,3 +282,8 @@ def _phase_name(out: SchedulerOutput) -> str:
     is_decode = [out.num_scheduled_tokens[r.request_id] == 1 + out.num_spec_tokens(r) and r.num_output_tokens > 0
                  and r.num_computed_tokens == r.num_tokens - 1 for r in out.scheduled]
     return "decode" if all(is_decode) else "prefill" if not any(is_decode) else "mixed"
+
+
+def _sample_rows(logits: torch.Tensor, greedy: bool) -> torch.Tensor | GreedyRows:
+    """The runner's (R', V) logits, or with `greedy` its (R',) argmax ids as GreedyRows."""
+    return GreedyRows(logits) if greedy else logits

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lab import huge_pages
 from lab.errors import LabError
 from lab.kv_cache.base import AttentionCache
 from lab.kv_cache.block_kv import BlockKVCache
 from lab.kv_cache.contiguous import ContiguousKVCache
-from lab.models import native_gemv
+from lab.models import native_gemv, native_head
 from lab.models.config import DecoderConfig
 from lab.models.packed_linear import (BLOCK_MAX_ROWS, GEMV_MAX_ROWS, NATIVE_MAX_ROWS, PackedLinear,
                                      move_streamed_weights_to_huge_pages, use_block_weights)
@@ -121,6 +122,7 @@ class DecoderModel(nn.Module):
         self.allow_fused_layers = True
         self.block_max_rows = BLOCK_MAX_ROWS   # steps of up to this many tokens stream GGUF blocks (use_block_weights)
         self.block_tiles = False               # whether they stream them as AMX tiles (use_block_weights)
+        self.head_screen: native_head.HeadScreen | None = None   # the head's greedy screen (use_head_screen)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)       # (B, T, H)
@@ -215,6 +217,32 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)            # (..., V)
+
+    def use_head_screen(self, on_huge_pages: bool = False) -> bool:
+        """Screen greedy rows' argmax over the head's Q8_0 blocks (lab/models/native_head.py: the ids `gemv` over the
+        blocks gives, without the logits) where the head streams such blocks (use_block_weights, not as tiles) and
+        the CPU has AVX-512 VNNI; the screen on 2 MiB pages with `on_huge_pages`. Call after use_block_weights and
+        use_huge_pages. Returns whether it does."""
+        blocks = self.lm_head.fresh_blocks() if isinstance(self.lm_head, PackedLinear) else None
+        self.head_screen = None
+        if native_head.can_screen(blocks) and native_head.supported():
+            self.head_screen = native_head.HeadScreen(blocks)
+            if on_huge_pages:
+                self.head_screen.screen, self.head_screen.scales = huge_pages.move(
+                    [self.head_screen.screen, self.head_screen.scales])
+        return self.head_screen is not None
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden (..., H) -> (...) int64, the argmax of each row's logits by the head's greedy screen: the first
+        largest of the logits the native GEMV computes over the head's blocks, which are compute_logits' own up to
+        block_max_rows rows (more rows go to a GEMM, whose sums round differently). None where the screen does not
+        take the call (none built, its blocks stale, more than 64 rows, not fp32 on CPU): then compute the logits."""
+        screen = self.head_screen
+        rows = hidden.numel() // max(hidden.shape[-1], 1)
+        if (screen is None or not 1 <= rows <= GEMV_MAX_ROWS or not native_gemv.usable(hidden)
+                or screen.blocks is not self.lm_head.fresh_blocks()):
+            return None
+        return screen.argmax(hidden)
 
     def use_column_major_weights(self) -> None:
         """Store every projection's (out, in) weight column-major, i.e. as a transposed (in, out) matrix.

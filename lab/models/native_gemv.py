@@ -1284,6 +1284,8 @@ std::vector<at::Tensor> paged_step_layers(at::Tensor x, std::vector<std::vector<
 
 %(GEMM_SOURCE)s
 
+%(HEAD_SOURCE)s
+
 // NOTE: the GIL is released inside every kernel, as torch's own ops do, so the `concurrent` engine's
 // thread-mode workers are not serialised on it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1305,6 +1307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_slots", &copy_slots, release());
   m.def("pack_panels", &pack_panels, release());
   m.def("gemm_panels", &gemm_panels, release());
+  m.def("head_screen_supported", &head_screen_supported, release());
+  m.def("head_argmax", &head_argmax, release());
 }
 """
 
@@ -1346,9 +1350,11 @@ def load_kernel() -> Any | None:
                 from torch.utils.cpp_extension import load_inline
 
                 from lab.models.native_gemm import GEMM_SOURCE  # NOTE: here, not at the top: they import us
+                from lab.models.native_head import HEAD_SOURCE
                 from lab.models.native_tiles import TILES_SOURCE
 
-                source = KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE).replace("%(TILES_SOURCE)s", TILES_SOURCE)
+                source = (KERNEL_SOURCE.replace("%(GEMM_SOURCE)s", GEMM_SOURCE)
+                          .replace("%(TILES_SOURCE)s", TILES_SOURCE).replace("%(HEAD_SOURCE)s", HEAD_SOURCE))
                 _KERNEL = _BUILT = load_inline(
                     "lab_native_gemv", cpp_sources=source,
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], verbose=False)

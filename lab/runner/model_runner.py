@@ -20,6 +20,7 @@ from lab.models.decoder import DecoderModel
 from lab.models.packed_linear import BLOCK_MAX_ROWS, GEMV_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights
 from lab.models.sources import ModelSource
 from lab.runner.device import avoid_per_shape_attention_plans, resolve_device, resolve_dtype
+from lab.sample.sampler import argmax_rows
 
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ WeightBlocks = Literal["auto", "off"]
 WEIGHT_BLOCKS: tuple[WeightBlocks, ...] = ("auto", "off")
 BlockKernel = Literal["auto", "amx", "avx"]
 BLOCK_KERNELS: tuple[BlockKernel, ...] = ("auto", "amx", "avx")
+GreedyHead = Literal["auto", "off"]
+GREEDY_HEADS: tuple[GreedyHead, ...] = ("auto", "off")
 
 
 def _as_id_set(value: Any) -> set[int]:
@@ -40,7 +43,7 @@ class ModelRunner:
     def __init__(self, source: ModelSource, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, weight_blocks: WeightBlocks = "auto",
                  block_rows: int | str = "auto", block_kernel: BlockKernel = "auto",
-                 huge_pages: huge_pages_module.HugePages = "auto") -> None:
+                 huge_pages: huge_pages_module.HugePages = "auto", greedy_head: GreedyHead = "auto") -> None:
         """`weight_blocks`: "auto" streams every projection whose fp32 weights are exactly GGUF block values (the
         bundled SmolLM2's are: it is a Q4_1 GGUF) as those blocks in few-row forwards, bit-identically
         (lab/models/weight_blocks.py); "off" keeps the fp32 weights (A/B runs). `block_kernel`: "amx" streams them
@@ -49,8 +52,15 @@ class ModelRunner:
         AMX-BF16, else avx. `block_rows`: the most rows such a forward may have, "auto" = 64 on tiles, else
         measured here at load (lab/models/block_rows.py), or an integer from 1 to 64. `huge_pages`: "auto" moves
         the blocks onto 2 MiB pages where Linux offers them (lab/huge_pages.py: fewer TLB misses a step, the same
-        values), "on" the same or an error, "off" leaves them on the allocator's pages (A/B runs)."""
+        values), "on" the same or an error, "off" leaves them on the allocator's pages (A/B runs). `greedy_head`:
+        "auto" finds greedy rows' argmax without their logits where the head streams Q8_0 blocks on a CPU with
+        AVX-512 VNNI (lab/models/native_head.py: the same token ids, ~2.5x faster at 7 rows), "off" computes every
+        logit (A/B runs)."""
         wants_huge_pages = huge_pages_module.resolve(huge_pages)
+        if greedy_head not in GREEDY_HEADS:
+            raise LabError(f"model.greedy_head={greedy_head!r} is not one of {', '.join(GREEDY_HEADS)}",
+                           "use model.greedy_head=auto (screen greedy rows' argmax where the head is Q8_0 blocks) "
+                           "or off")
         if weight_blocks not in WEIGHT_BLOCKS:
             raise LabError(f"model.weight_blocks={weight_blocks!r} is not one of {', '.join(WEIGHT_BLOCKS)}",
                            "use model.weight_blocks=auto (stream exact GGUF blocks where the weights are) or off")
@@ -98,6 +108,9 @@ class ModelRunner:
                 log.info("streaming %d of %d linears as their exact GGUF blocks (%s, %.0f MB a decode step instead "
                          "of %.0f) in forwards of up to %d rows", self.block_linears, linears, self.block_kernel,
                          self.streamed_weight_bytes / 2**20, self.weight_bytes / 2**20, self.model.block_max_rows)
+            if self.block_linears and greedy_head == "auto" and self.model.use_head_screen(self.use_huge_pages):
+                log.info("greedy rows' argmax screened over the head's Q8_0 blocks (%.0f MB more)",
+                         self.model.head_screen.nbytes / 2**20)
         self.tokenizer = source.tokenizer
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings,
                                  self.config.max_position_embeddings)
@@ -168,26 +181,42 @@ class ModelRunner:
         return BlockKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.dtype,
                             self.device, backend, scratch_block)
 
+    @property
+    def greedy_head(self) -> bool:
+        """Whether greedy rows' argmax skips their logits (model.greedy_head: lab/models/native_head.py)."""
+        return self.model.head_screen is not None
+
+    def _head(self, hidden: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """hidden (..., H) -> logits (..., V) fp32, or with `greedy` their argmax token ids (...) int64: the greedy
+        screen's where it takes the rows, else the logits' argmax."""
+        if greedy and (token_ids := self.model.greedy_tokens(hidden)) is not None:
+            return token_ids
+        logits = self.model.compute_logits(hidden).float()
+        return argmax_rows(logits) if greedy else logits
+
     @torch.inference_mode()
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                logits_index: int | torch.Tensor | None = -1) -> torch.Tensor:
+                logits_index: int | torch.Tensor | None = -1, greedy: bool = False) -> torch.Tensor:
         """input_ids, positions (B, T) -> logits (B, V) at `logits_index` (None: all positions, (B, T, V);
-        a 1-D tensor of R positions: (B, R, V), e.g. each request's last token in a flat batch)."""
+        a 1-D tensor of R positions: (B, R, V), e.g. each request's last token in a flat batch). With `greedy`,
+        their argmax token ids instead ((B,), (B, T) or (B, R) int64), without the logits where the head's greedy
+        screen takes them (model.greedy_head)."""
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), cache)  # (B, T, H)
         if logits_index is not None:
             hidden = hidden[:, logits_index]                                               # (B, H)
-        return self.model.compute_logits(hidden).float()
+        return self._head(hidden, greedy)
 
     @torch.inference_mode()
     def execute_with_features(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
-                              logits_index: torch.Tensor, feature_layers: tuple[int, ...]
+                              logits_index: torch.Tensor, feature_layers: tuple[int, ...], greedy: bool = False
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """execute, plus the target features every position produced: (logits (B, R, V), features
-        (B, T, len(feature_layers) * H)); layer indices may be negative (-1 = the last layer)."""
+        """execute, plus the target features every position produced: (logits (B, R, V) or with `greedy` their
+        argmax ids (B, R), features (B, T, len(feature_layers) * H)); layer indices may be negative (-1 = the last
+        layer)."""
         layers = tuple(i % self.config.num_layers for i in feature_layers)
         hidden, features = self.model.forward_with_features(input_ids.to(self.device), positions.to(self.device),
                                                             cache, layers)
-        return self.model.compute_logits(hidden[:, logits_index]).float(), features
+        return self._head(hidden[:, logits_index], greedy), features
 
     def hf_model(self) -> torch.nn.Module:
         """HF transformers' model with the same weights, dtype and device (built once)."""

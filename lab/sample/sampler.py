@@ -6,6 +6,7 @@ Owns: turning logits into token ids. Ignores: requests (it sees SamplingParams a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +20,28 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return generator
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class GreedyRows:
+    """What a step's forward hands its sampler in place of the sample rows' logits (R, V) when every request in it
+    reads only their argmax (SamplingParams.needs_only_argmax): those argmax token ids, which the head's greedy
+    screen finds without the logits (ModelRunner.execute(greedy=True), lab/models/native_head.py). Rows slice as
+    the logits' do; argmax_rows, Sampler and the rejection sampler's greedy verifies take it."""
+
+    token_ids: torch.Tensor       # (R,) int64
+
+    def __getitem__(self, rows: slice) -> GreedyRows:
+        return GreedyRows(self.token_ids[rows])
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def argmax_rows(logits: torch.Tensor | GreedyRows) -> torch.Tensor:
     """logits (..., V) -> (...) int64, torch.argmax(logits, -1): the native kernel's two vectorised passes a row where
     it takes the call (fp32 on CPU), ~7x faster than torch's on a 49152-token vocabulary (0.50 -> 0.07 ms for
-    a 7-row verify step), else torch's own (CUDA, other dtypes)."""
+    a 7-row verify step), else torch's own (CUDA, other dtypes). GreedyRows are their argmax already."""
+    if isinstance(logits, GreedyRows):
+        return logits.token_ids
     return native_gemv.argmax_rows(logits) if native_gemv.usable(logits) else logits.argmax(dim=-1)
 
 
@@ -47,9 +66,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float =
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+    def sample(self, logits: torch.Tensor | GreedyRows, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> list[int]:
-        """logits (B, V) -> one token id per row."""
+        """logits (B, V) -> one token id per row (GreedyRows: greedy params only)."""
         if all(p.is_greedy for p in params):
             return argmax_rows(logits).tolist()
         token_ids: list[int] = []
