@@ -1,6 +1,7 @@
 """Micro-benchmark: what a verify step of n tokens costs at batch 1, in plain (one-token) steps of the same
 target: `ModelRunner.execute` on the paged cache over a context of `--context` tokens, logits for every row
-(a verify needs them all), SmolLM2-135M fp32, the engines' `native` attention unless `--attention` says otherwise
+(a verify with logprobs or a sampling temperature needs them all; `--greedy`: only each row's argmax, as a greedy
+verify reads, through the head's greedy screen where it runs, lab/models/native_head.py), SmolLM2-135M fp32, the engines' `native` attention unless `--attention` says otherwise
 (before session 19 this script used `fast`, SDPA per layer: its tables in docs/ until then are of that path).
 
 Speculation at batch 1 pays when tau > the cost of its verify step (plus the draft); a tree of drafts pays
@@ -8,6 +9,7 @@ only where its extra rows cost less than the tokens they add (docs/speculative.m
 counts take turns call by call, in alternating order, so a machine whose speed drifts slows all alike.
 
     python experiments/bench_verify.py --rows 1,2,3,4,5,6,8
+    python experiments/bench_verify.py --rows 1,2,3,4,7,12 --greedy
     python experiments/bench_verify.py --model llama-1b --device cuda --dtype bfloat16 --rows 1,2,4,8,16,32,64
 
 `--model smollm2` / `llama-1b` are random-init targets of those shapes (bench_decode_graphs.SHAPES): no weights
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--attention", default="native", choices=["native", "fast", "gather"],
                         help="the paged cache's attention backend (native: the engines' default; on CPU its steps of "
                              "a few tokens run all layers in one native call)")
+    parser.add_argument("--greedy", action="store_true",
+                        help="each row's argmax only (ModelRunner.execute(greedy=True)), as a greedy verify reads")
     args = parser.parse_args()
     rows = sorted({int(n) for n in args.rows.split(",")} | {1})
     torch.set_num_threads(args.threads)
@@ -66,15 +70,16 @@ def main() -> None:
             cache.begin_step([SeqSlice(block_table, args.context, n)])
             sync()
             start = time.perf_counter()
-            runner.execute(input_ids, positions[n], cache, None)                        # (1, n, V)
+            runner.execute(input_ids, positions[n], cache, None, greedy=args.greedy)   # (1, n, V) or (1, n)
             sync()
             if call >= 2:   # the first two rounds warm up
                 times[n].append(time.perf_counter() - start)
     plain = statistics.median(times[1])
     where = (torch.cuda.get_device_name() if runner.device.type == "cuda"
              else f"CPU, {args.threads} thread(s), load average {os.getloadavg()[0]:.2f}")
+    head = "each row's argmax" + (" (the greedy screen)" if runner.greedy_head else "") if args.greedy else "logits"
     print(f"# bench_verify: {args.model} ({args.dtype}) on {where}, {args.attention} attention, batch 1, "
-          f"context {args.context}, {args.calls} steps each")
+          f"context {args.context}, {args.calls} steps each, {head}")
     print("| tokens in the step | median (ms) | plain steps |")
     print("|---:|---:|---:|")
     for n in rows:

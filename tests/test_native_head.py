@@ -21,7 +21,7 @@ from lab.runner import ModelRunner
 from lab.sample.sampler import GreedyRows, Sampler, argmax_rows
 from lab.sched import SchedulerConfig
 from lab.spec.ngram_config import NgramProposerConfig
-from tests.helpers import block_source, make_requests
+from tests.helpers import block_source, chat_prompt, make_requests
 
 needs_screen = pytest.mark.skipif(not native_head.supported(),
                                   reason="the screen needs the native kernels and AVX-512 VNNI")
@@ -168,3 +168,22 @@ def test_engines_decode_the_same_tokens_with_the_screen_on_and_off(
             assert result.requests[1].output_logprobs is not None
             outputs.append([r.output_token_ids for r in result.requests])
     assert all(out == outputs[0] for out in outputs)
+
+
+@needs_screen
+def test_the_bundled_smollm2s_head_is_screened_to_the_same_tokens(smollm2_runner: ModelRunner) -> None:
+    """SmolLM2's own Q8_0 head, on a chat prompt's every position and on random rows far from its hidden states."""
+    runner = smollm2_runner
+    assert runner.greedy_head and runner.model.head_screen is not None
+    prompt = torch.tensor([chat_prompt(runner.tokenizer, "Name three rivers of Europe and the seas they reach.")])
+    steps = prompt.shape[1]
+    assert steps <= 64
+    results = []
+    for greedy in (False, True):
+        cache = runner.allocate_kv_cache(1, steps)
+        cache.begin_forward(0, steps)
+        results.append(runner.execute(prompt, torch.arange(steps)[None], cache, logits_index=None, greedy=greedy))
+    assert torch.equal(argmax_rows(results[0]), results[1])
+    x = torch.randn(9, runner.config.hidden_size, generator=torch.Generator().manual_seed(9)) * 3
+    blocks = runner.model.lm_head.fresh_blocks()
+    assert torch.equal(runner.model.greedy_tokens(x), full_argmax(x, blocks))
