@@ -1,8 +1,9 @@
 """Micro-benchmark: what a verify step of n tokens costs at batch 1, in plain (one-token) steps of the same
 target: `ModelRunner.execute` on the paged cache over a context of `--context` tokens, logits for every row
 (a verify with logprobs or a sampling temperature needs them all; `--greedy`: only each row's argmax, as a greedy
-verify reads, through the head's greedy screen where it runs, lab/models/native_head.py), SmolLM2-135M fp32, the engines' `native` attention unless `--attention` says otherwise
-(before session 19 this script used `fast`, SDPA per layer: its tables in docs/ until then are of that path).
+verify reads, through the head's greedy screen where it runs, lab/models/native_head.py), SmolLM2-135M fp32, the
+engines' `native` attention unless `--attention` says otherwise (before session 19 this script used `fast`, SDPA per
+layer: its tables in docs/ until then are of that path).
 
 Speculation at batch 1 pays when tau > the cost of its verify step (plus the draft); a tree of drafts pays
 only where its extra rows cost less than the tokens they add (docs/speculative.md, session 14). The row
