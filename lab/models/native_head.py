@@ -7,11 +7,13 @@ margin far above what 8-bit inputs would blur. So for each input row x this
 1. quantizes x to int8 per block of 32 columns (x ~ S_b X, |x - S_b X| <= S_b / 2 a column);
 2. screens every vocabulary row j against it in integers: s_j = sum_b d_jb S_b (q_jb . X_b), with the head's own
    Q8_0 blocks (w = d q) as unsigned bytes q + 128 and AVX-512 VNNI (`vpdpbusd`: 64 byte products an
-   instruction, four times the fp32 FMAs' rate), next to a bound E_j = sum_b d_jb |q_jb|_1 S_b / 2 on how far s_j
-   can be from the exact logit (widened by 1/32 for every rounding of both: each is under 2 % of E here);
+   instruction, four times the fp32 FMAs' rate), next to a bound E_j = sum_b |d_jb| |q_jb|_1 S_b / 2 on how far
+   s_j can be from the exact logit, widened by 1/32 and by twice what the roundings of both sides can add: each is
+   at most (in + nb + 8) u sum |w x| with sum |w x| <= 254 E (u = 2^-24; 0.9 % of E at SmolLM2's 576 columns);
 3. keeps the candidates whose s_j + E_j reaches the largest s_k - E_k (on SmolLM2's answers one or two a row, at
    most a few dozen), and computes their exact logits with the block GEMV itself (lab/models/native_gemv.py), in the
-   order the full head's call sums them;
+   order its quads sum a row: the order of every row of the full head's call wherever the head's rows split over the
+   threads in multiples of 4 (SmolLM2's 49152 at 1-4, 6, 8, 12 or 16 threads);
 4. returns each row's first candidate with the largest exact logit.
 No row outside the candidates can reach the largest exact logit (its exact value is below its s + E, which is below
 the best candidate's s - E, which is at most that candidate's exact value), and ties keep the lowest token id, so
@@ -20,9 +22,10 @@ change. A call with a non-finite value (or one above 1e15) takes the full head.
 
 The screen is a second copy of the head's integers, transposed so that one 64-byte load holds 4 columns of 16
 vocabulary rows (G = V / 16 groups, each nb = in / 32 blocks of 8 such loads), and per group and block the 16 rows'
-d and d |q|_1 as fp16 (the latter rounded up): 28 + 3.4 MB for SmolLM2. At one row the head is bound by the
-bytes it reads, so the full head (28 MB) is as fast; from two rows on the screen reads the same bytes once for all
-rows and does a quarter of the arithmetic.
+d and |d| |q|_1 as fp16 (the latter rounded up): 28 + 3.4 MB for SmolLM2. At one or two rows both heads take about
+the time their bytes take to arrive (the screen ~1.2x faster: the full head also widens every weight to fp32); from
+three rows on the full head is bound by its FMAs and the screen, a quarter of the arithmetic, is 2-2.5x faster up to
+7 rows (docs/benchmarks.md, "The head's greedy screen").
 
 Owns: the screen's layout and its argmax. Ignores: when a step may use it (only its argmax is read: DecoderModel
 .greedy_tokens and the engines decide). The source is compiled into native_gemv's extension (one build), whose
@@ -36,7 +39,7 @@ import torch
 from lab.models import native_gemv, weight_blocks
 
 GROUP_ROWS = 16           # vocabulary rows a 64-byte screen load holds (4 columns each)
-BOUND_SLACK = 1.0 / 32    # E is widened by this share: the roundings of the screen and of the exact GEMV
+BOUND_SLACK = 1.0 / 32    # E is widened by this share, on top of twice the worst case of both sides' roundings
 
 HEAD_SOURCE = r"""
 // ---- The LM head's greedy screen (lab/models/native_head.py) ------------------------------------------------
@@ -51,7 +54,7 @@ bool head_screen_supported() {
 // One group of 16 vocabulary rows against N input rows: their screen values plus their bound (ub: (N, V)) and, per
 // row, the group's largest s + E (gub) and s - E (glb). w: the group's screen bytes (nb blocks x 8 loads x 64:
 // load c of block b holds columns 32 b + 4 c .. + 3 of the 16 rows, 4 bytes a row, q + 128); sc: per block the 16
-// rows' d, then their d |q|_1 (fp16). The input rows come interleaved, as ScreenRows lays them out.
+// rows' d, then their |d| |q|_1 (fp16). The input rows come interleaved, as ScreenRows lays them out.
 template <int N>
 LAB_VNNI static void screen_group(const uint8_t* w, const uint16_t* sc, int64_t nb, const int8_t* X, const float* xs,
                                   const float* xh, const int32_t* base, float* ub, int64_t V, float* gub, float* glb,
@@ -82,7 +85,7 @@ LAB_VNNI static void screen_group(const uint8_t* w, const uint16_t* sc, int64_t 
 }
 
 // Up to 8 input rows quantized for screen_group, interleaved so that its loads walk one stream each: X (nb, 8, N, 4)
-// int8, the 4 columns load c of block b meets; xs, xh, base (nb, N): S_b, S_b / 2 widened by the slack, and
+// int8, the 4 columns load c of block b meets; xs, xh, base (nb, N): S_b, S_b / 2 widened (native_head.py), and
 // -128 sum X_b (the unsigned weights' q + 128 adds 128 sum X_b to each product).
 struct ScreenRows {
   int64_t n;
@@ -94,6 +97,9 @@ struct ScreenRows {
 // Rows [m0, m0 + n) of x (rows of 32 nb values) -> ScreenRows; false where a value is not finite, or so large that
 // the screen's sums could overflow.
 static bool quantize_rows(const float* x, int64_t m0, int64_t n, int64_t nb, double slack, ScreenRows& q) {
+  // NOTE: E's widening: the slack, plus twice what the roundings of the screen and of the exact GEMV can add, each at
+  // most (in + nb + 8) u sum |w x| <= (in + nb + 8) u 254 E (u = 2^-24)
+  const float widen = float(1.0 + slack + 2.0 * double(33 * nb + 8) * 254.0 * std::ldexp(1.0, -24));
   q.n = n;
   q.X.assign(32 * nb * n, 0);
   q.xs.assign(nb * n, 0.0f);
@@ -117,7 +123,7 @@ static bool quantize_rows(const float* x, int64_t m0, int64_t n, int64_t nb, dou
         sum += v;
       }
       q.xs[n * b + r] = S;
-      q.xh[n * b + r] = 0.5f * S * float(1.0 + slack);
+      q.xh[n * b + r] = 0.5f * S * widen;
       q.base[n * b + r] = -128 * sum;
     }
   return true;
@@ -189,7 +195,8 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   std::sort(cand.begin(), cand.end());
   cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
   const int64_t C = int64_t(cand.size());
-  if (C == 0) return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads));   // NOTE: cannot happen
+  // NOTE: cannot happen (the row with the largest s - E is its own row's candidate), but never answer without one
+  if (C == 0) return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads));
   // NOTE: a multiple of 4 rows on one thread: every row then lies in one of the GEMV's quads, which sum a row in
   // the order the full head's quads do (its rows all lie in quads where V splits evenly over its threads).
   const int64_t C4 = (C + 3) / 4 * 4;
@@ -234,7 +241,7 @@ class HeadScreen:
         # (G, 16, nb, 8, 4) -> (G, nb, 8, 16, 4): load c of block b = 4 columns of the group's 16 rows
         unsigned = (q + 128).to(torch.uint8).view(groups, GROUP_ROWS, nb, 8, 4)
         self.screen = unsigned.permute(0, 2, 3, 1, 4).contiguous().view(groups, nb * 512)
-        bound = d * q.abs().sum(-1).to(torch.float32)                                 # d |q|_1 (V, nb)
+        bound = d.abs() * q.abs().sum(-1).to(torch.float32)                           # |d| |q|_1 (V, nb)
         bound_half = bound.half()
         below = bound_half.float() < bound
         bound_half[below] = torch.nextafter(bound_half[below], torch.tensor(float("inf"), dtype=torch.float16))
