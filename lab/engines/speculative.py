@@ -30,6 +30,7 @@ from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sample.logits_processors import apply_logits_processors_to_drafts
 from lab.sample.rejection import RejectionSampler
+from lab.sample.sampler import GreedyRows
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.counters import SpecCounters
 from lab.spec.goodput import GoodputPolicy
@@ -153,7 +154,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self._reset_spec_counters()
 
     # -- the target forward: also hands its features to drafters that read them ---------------------
-    def forward(self, batch: StepBatch) -> torch.Tensor:
+    def forward(self, batch: StepBatch) -> torch.Tensor | GreedyRows:
         if not self.proposer.feature_layers or not self.num_spec_tokens:
             return super().forward(batch)
         logits, features = self.target_forward(batch, tuple(self.proposer.feature_layers))
@@ -163,7 +164,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
 
     # -- verify (the hook) ---------------------------------------------------------------------------
     def select_tokens(self, out: SchedulerOutput, requests: list[Request],
-                      logits: torch.Tensor) -> dict[str, int | list[int]]:
+                      logits: torch.Tensor | GreedyRows) -> dict[str, int | list[int]]:
         sampled: dict[str, int | list[int]] = {}
         row = 0
         self.num_target_forwards += 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lab.request import SamplingParams
-from lab.sample.sampler import Sampler, argmax_rows, filter_logits
+from lab.sample.sampler import GreedyRows, Sampler, argmax_rows, filter_logits
 from lab.spec.tree import walk_greedy
 
 
@@ -37,10 +37,11 @@ class RejectionSampler:
     def __init__(self) -> None:
         self.sampler = Sampler()
 
-    def verify(self, target_logits: torch.Tensor, draft_token_ids: list[int], params: SamplingParams,
+    def verify(self, target_logits: torch.Tensor | GreedyRows, draft_token_ids: list[int], params: SamplingParams,
                generator: torch.Generator | None, draft_probs: torch.Tensor | None = None) -> VerifyResult:
-        """target_logits (k+1, V) at the positions after each of the k drafts' predecessors; draft_probs
-        (k, V) the proposer's distributions (None: deterministic proposer, q one-hot)."""
+        """target_logits (k+1, V) at the positions after each of the k drafts' predecessors (GreedyRows: their argmax,
+        greedy params only); draft_probs (k, V) the proposer's distributions (None: deterministic proposer, q
+        one-hot)."""
         k = len(draft_token_ids)
         if params.is_greedy:
             return self._verify_greedy(target_logits, draft_token_ids)
@@ -63,7 +64,7 @@ class RejectionSampler:
         return VerifyResult(list(draft_token_ids) + [bonus], k)
 
     @staticmethod
-    def verify_tree_greedy(target_logits: torch.Tensor, draft_token_ids: list[int], parents: list[int]
+    def verify_tree_greedy(target_logits: torch.Tensor | GreedyRows, draft_token_ids: list[int], parents: list[int]
                            ) -> VerifyResult:
         """A tree of drafts (lab/spec/tree.py), greedy: target_logits (1 + n, V) at the root and at every draft ->
         the longest path of drafts that are each the target's token after their parent, and the target's next."""
@@ -71,7 +72,7 @@ class RejectionSampler:
         return VerifyResult([draft_token_ids[i] for i in path] + [target], len(path), path)
 
     @staticmethod
-    def _verify_greedy(target_logits: torch.Tensor, draft_token_ids: list[int]) -> VerifyResult:
+    def _verify_greedy(target_logits: torch.Tensor | GreedyRows, draft_token_ids: list[int]) -> VerifyResult:
         target_ids = argmax_rows(target_logits).tolist()                           # (k+1,)
         num_accepted = 0
         for draft, target in zip(draft_token_ids, target_ids):
