@@ -240,7 +240,7 @@ class DecoderModel(nn.Module):
         screen = self.head_screen
         rows = hidden.numel() // max(hidden.shape[-1], 1)
         if (screen is None or not 1 <= rows <= GEMV_MAX_ROWS or not native_gemv.usable(hidden)
-                or screen.blocks is not self.lm_head.fresh_blocks()):
+                or not isinstance(self.lm_head, PackedLinear) or screen.blocks is not self.lm_head.fresh_blocks()):
             return None
         return screen.argmax(hidden)
 

@@ -79,6 +79,7 @@ def shard_model(model: DecoderModel, rank: int, world_size: int, group: dist.Pro
     model.embed_tokens = VocabParallelEmbedding(padded_rows(model.embed_tokens.weight.data, start, end, per_rank),
                                                 start, end, group)
     model.lm_head = VocabParallelHead(head, vocab_size, world_size, group)
+    model.head_screen = None             # NOTE: the greedy screen reads the whole head; a shard holds a slice of it
     model.allow_fused_layers = False     # NOTE: decode_layers / paged_step_layers would skip the all-reduces
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, world_size, group)
