@@ -5,6 +5,8 @@ blocks are its own; engines decode the same tokens with it on and off."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -187,3 +189,12 @@ def test_the_bundled_smollm2s_head_is_screened_to_the_same_tokens(smollm2_runner
     x = torch.randn(9, runner.config.hidden_size, generator=torch.Generator().manual_seed(9)) * 3
     blocks = runner.model.lm_head.fresh_blocks()
     assert torch.equal(runner.model.greedy_tokens(x), full_argmax(x, blocks))
+
+
+def test_the_screen_is_built_wherever_the_cpu_and_a_compiler_allow() -> None:
+    """A kernel that fails to compile would only make the tests above skip: this one fails instead."""
+    if not (native_gemv.cpu_has("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512_vnni")
+            and shutil.which("c++") and os.environ.get("LAB_NATIVE_GEMV", "1") != "0"):
+        pytest.skip("no AVX-512 VNNI or no C++ compiler here")
+    assert native_gemv.load_kernel() is not None, native_gemv._KERNEL_ERROR
+    assert native_head.supported()

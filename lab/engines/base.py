@@ -17,6 +17,7 @@ import torch
 
 from lab.engines.phases import PhaseTracker
 from lab.errors import LabError
+from lab.kv_cache import AttentionCache
 from lab.request import Request, RequestStatus
 from lab.runner import ModelRunner
 from lab.sample import Sampler
@@ -150,6 +151,17 @@ class Engine(ABC):
             seed = params.seed if params.seed is not None else request_seed(self.seed, request.request_id)
             self._generators[request.request_id] = make_generator(seed, self.runner.device)
         return self._generators[request.request_id]
+
+    def execute_and_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: AttentionCache,
+                           requests: list[Request]) -> list[int]:
+        """One forward of a padded batch (B, T) -> a token per request from its last position. Where every request
+        reads only the argmax (SamplingParams.needs_only_argmax), the head's greedy screen finds it without the logits
+        (model.greedy_head), as in the continuous engines, so the ladder's engines are measured on the same head."""
+        params = [r.sampling_params for r in requests]
+        if self.runner.greedy_head and all(p.needs_only_argmax for p in params):
+            return self.runner.execute(input_ids, positions, cache, greedy=True).tolist()              # (B,)
+        logits = self.runner.execute(input_ids, positions, cache)                                      # (B, V)
+        return self.sampler.sample(logits, params, [self.generator_for(r) for r in requests])
 
     def release_request_state(self, request_id: str) -> None:
         """Drop what the engine keeps per request once it has ended (its sampling generator); no-op if none."""

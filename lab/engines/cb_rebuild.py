@@ -148,8 +148,7 @@ class CBRebuildEngine(Engine):
         cache = self.runner.allocate_kv_cache(len(requests), max_len)
         cache.begin_forward(0, width, key_padding)
         with self.phases.phase("prefill", num_tokens=sum(r.num_prompt_tokens for r in requests)):
-            logits = self.runner.execute(input_ids, positions, cache)                         # (B, V)
-            token_ids = self._sample(logits, requests)
+            token_ids = self.execute_and_sample(input_ids, positions, cache, requests)
         self._record(requests, token_ids, num_fed=[r.num_prompt_tokens for r in requests])
         return PaddedBatch(cache, requests, width, key_padding)
 
@@ -162,14 +161,9 @@ class CBRebuildEngine(Engine):
         batch.key_padding[:, batch.width] = True
         batch.cache.begin_forward(batch.width, 1, batch.key_padding)
         with self.phases.phase("decode", num_tokens=len(rows)):
-            logits = self.runner.execute(input_ids, positions, batch.cache)                    # (B, V)
-            token_ids = self._sample(logits, rows)
+            token_ids = self.execute_and_sample(input_ids, positions, batch.cache, rows)
         batch.width += 1
         return self._record(rows, token_ids, num_fed=[1] * len(rows))
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        return self.sampler.sample(logits, [r.sampling_params for r in requests],
-                                   [self.generator_for(r) for r in requests])
 
     def _record(self, requests: list[Request], token_ids: list[int], num_fed: list[int]) -> list[Request]:
         now = time.perf_counter()

@@ -112,10 +112,8 @@ class StaticBatchEngine(Engine):
         batch = self.batch
         start = 0 if batch.num_steps == 0 else batch.width + batch.num_steps - 1
         batch.kv_cache.begin_forward(start, input_ids.shape[1], batch.key_padding)
-        params = [r.sampling_params for r in batch.requests]
         with self.phases.phase("prefill" if batch.num_steps == 0 else "decode", num_tokens=input_ids.numel()):
-            logits = self.runner.execute(input_ids, positions, batch.kv_cache)                  # (B, V)
-            token_ids = self.sampler.sample(logits, params, [self.generator_for(r) for r in batch.requests])
+            token_ids = self.execute_and_sample(input_ids, positions, batch.kv_cache, batch.requests)
         now = time.perf_counter()
         finished = []
         for request, token_id in zip(batch.requests, token_ids):
