@@ -54,7 +54,7 @@ class ModelRunner:
         the blocks onto 2 MiB pages where Linux offers them (lab/huge_pages.py: fewer TLB misses a step, the same
         values), "on" the same or an error, "off" leaves them on the allocator's pages (A/B runs). `greedy_head`:
         "auto" finds greedy rows' argmax without their logits where the head streams Q8_0 blocks on a CPU with
-        AVX-512 VNNI (lab/models/native_head.py: the same token ids, ~2.5x faster at 7 rows), "off" computes every
+        AVX-512 VNNI (lab/models/native_head.py: the same token ids, ~2.3x faster at 7 rows), "off" computes every
         logit (A/B runs)."""
         wants_huge_pages = huge_pages_module.resolve(huge_pages)
         if greedy_head not in GREEDY_HEADS:
