@@ -37,6 +37,7 @@ KERNEL_SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 static inline float hsum8(__m256 v) {

@@ -145,6 +145,7 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   TORCH_CHECK(M <= 64, "head_argmax: at most 64 rows (", M, " given)");
   at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
+  const auto full_head = [&] { return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads)); };
   at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   // NOTE: rows in chunks of at most 8 (their sums stay in registers), as even as they come: 12 rows as 6 + 6
@@ -154,10 +155,12 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
     const int64_t n = (M - m) / (K - k);
     first[k] = m;
     if (!quantize_rows(xp, m, n, nb, slack, chunks[k]))
-      return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads));   // NaN, inf: the full head decides
+      return full_head();                    // NOTE: NaN, inf: the full head decides
     m += n;
   }
-  std::vector<float> ub(M * V), gub(M * G), glb(M * G);
+  // NOTE: ub is written whole before it is read: left uninitialised (zeroing it cost ~0.2 MB of stores a row)
+  std::unique_ptr<float[]> ub(new float[M * V]);
+  std::vector<float> gub(M * G), glb(M * G);
   const uint8_t* sp = screen.data_ptr<uint8_t>();
   const uint16_t* cp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   split_rows(G, nb * 576, max_threads, [&](int64_t g0, int64_t g1) {
@@ -165,7 +168,7 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
       for (size_t k = 0; k < chunks.size(); ++k) {
         const ScreenRows& q = chunks[k];
         const int64_t r0 = first[k];
-        float *u = ub.data() + r0 * V, *gu = gub.data() + r0 * G, *gl = glb.data() + r0 * G;
+        float *u = ub.get() + r0 * V, *gu = gub.data() + r0 * G, *gl = glb.data() + r0 * G;
         const uint8_t* w = sp + g * nb * 512;
         const uint16_t* sc = cp + g * nb * 32;
         switch (q.n) {
@@ -178,7 +181,7 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
         }
       }
   });
-// Every row's candidates, one sorted list for all rows: a row's exact argmax is the first largest over any
+  // Every row's candidates, one sorted list for all rows: a row's exact argmax is the first largest over any
   // superset of its own candidates (the others' exact logits are below it).
   std::vector<int64_t> cand;
   for (int64_t r = 0; r < M; ++r) {
@@ -187,7 +190,7 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
     const float best_lower = *std::max_element(gl, gl + G);
     for (int64_t g = 0; g < G; ++g) {
       if (!(gu[g] >= best_lower)) continue;
-      const float* u = ub.data() + r * V + GROUP_ROWS * g;
+      const float* u = ub.get() + r * V + GROUP_ROWS * g;
       for (int k = 0; k < GROUP_ROWS; ++k)
         if (u[k] >= best_lower) cand.push_back(GROUP_ROWS * g + k);
     }
@@ -196,7 +199,7 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
   const int64_t C = int64_t(cand.size());
   // NOTE: cannot happen (the row with the largest s - E is its own row's candidate), but never answer without one
-  if (C == 0) return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads));
+  if (C == 0) return full_head();
   // NOTE: a multiple of 4 rows on one thread: every row then lies in one of the GEMV's quads, which sum a row in
   // the order the full head's quads do (its rows all lie in quads where V splits evenly over its threads).
   const int64_t C4 = (C + 3) / 4 * 4;
