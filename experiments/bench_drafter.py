@@ -1,7 +1,8 @@
 """Micro-benchmark: one draft at batch 1 on SmolLM2-135M, with the drafter's and the draft head's weights
-streamed in fp32, as fp16 copies and as Q8_0 blocks (`engine.proposer.weights`; on AMX tiles where the target
-runs on them): EAGLE (`EagleProposer.propose`, k = 1 by
-default) or DFlash (`DFlashProposer.propose`: one block forward, k of its drafts read out).
+streamed in fp32, as fp16 copies, as Q8_0 blocks (`engine.proposer.weights`; on AMX tiles where the target
+runs on them) and, on a CPU with AVX-512 VNNI, as Q8_0 blocks in 8-bit integer products (`int8`): EAGLE
+(`EagleProposer.propose`, k = 1 by default) or DFlash (`DFlashProposer.propose`: one block forward, k of its
+drafts read out).
 
 A draft first catches the drafter up over the tokens the target accepted since the last one (`--new`: 1
 after a plain step, 2-5 after a verify, more when suffix decoding drafted meanwhile), then reads the draft
@@ -24,6 +25,7 @@ import time
 import torch
 
 from lab.kv_cache import PagedKVCacheManager
+from lab.models import native_head
 from lab.models.sources import smollm2
 from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
@@ -66,18 +68,21 @@ def main() -> None:
     runner = ModelRunner(smollm2(), dtype="float32", device="cpu")
     config_cls = EagleProposerConfig if args.drafter == "eagle" else DFlashProposerConfig
     checkpoint = {"checkpoint": args.checkpoint} if args.checkpoint else {}
+    kinds = ("fp32", "fp16", "q8_0") + (("int8",) if native_head.supported() else ())
     variants = {weights: config_cls(weights=weights, **checkpoint).build(
         runner, PagedKVCacheManager(num_blocks=512, block_size=16, enable_prefix_caching=False))
-                for weights in ("fp32", "fp16", "q8_0")}
+                for weights in kinds}
     width = runner.config.hidden_size * len(variants["fp16"].drafter.feature_layers)
     features = torch.randn(CONTEXT + 40 * args.calls, width)
     flush = torch.ones(32 * 2**20)
     tiles = resolve_draft_weights("auto", runner) == "q8_0"          # NOTE: the target runs on AMX tiles
+    labels = {"fp32": "fp32 weights", "fp16": "fp16", "q8_0": "Q8_0 blocks" + " (AMX tiles)" * tiles,
+              "int8": "int8 products"}
     print(f"# bench_drafter: {args.drafter} k={args.k} at batch 1, {args.threads} thread(s), context {CONTEXT}+, "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"| tokens caught up | fp32 weights (ms) | fp16 (ms) | Q8_0 blocks{' (AMX tiles)' * tiles} (ms) "
-          f"| fp32 / fp16 | fp32 / Q8_0 |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| tokens caught up | " + " | ".join(f"{labels[k]} (ms)" for k in kinds) + " | "
+          + " | ".join(f"fp32 / {k}" for k in kinds[1:]) + " |")
+    print("|---:|" + "---:|" * (2 * len(kinds) - 1))
     for num_new in (int(n) for n in args.new.split(",")):
         requests = {name: _request(p, features, f"r{num_new}") for name, p in variants.items()}
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -92,8 +97,9 @@ def main() -> None:
                 if call >= 2:                                    # NOTE: the first two calls warm up
                     times[name].append(time.perf_counter() - start)
                 assert draft[request.request_id].token_ids, "the benchmark request was not drafted"
-        fp32, fp16, q8_0 = (1e3 * statistics.median(times[n]) for n in ("fp32", "fp16", "q8_0"))
-        print(f"| {num_new} | {fp32:.2f} | {fp16:.2f} | {q8_0:.2f} | {fp32 / fp16:.2f}x | {fp32 / q8_0:.2f}x |")
+        ms = {k: 1e3 * statistics.median(times[k]) for k in kinds}
+        print(f"| {num_new} | " + " | ".join(f"{ms[k]:.2f}" for k in kinds) + " | "
+              + " | ".join(f"{ms['fp32'] / ms[k]:.2f}x" for k in kinds[1:]) + " |")
     if args.profile:
         proposer, request = variants["fp16"], requests["fp16"]
         with torch.profiler.profile() as prof:

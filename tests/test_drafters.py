@@ -24,6 +24,7 @@ from lab.engines.speculative import SpeculativeEngine
 from lab.errors import LabError
 from lab.kv_cache import PagedKVCacheConfig, PagedKVCacheManager
 from lab.kv_cache.base import NoCache
+from lab.models import native_head
 from lab.models.packed_linear import PackedLinear
 from lab.models.sources import default_cache_dir, tiny
 from lab.request import Request, SamplingParams
@@ -894,12 +895,15 @@ def test_a_draft_vocabulary_keeps_speculation_lossless(trained: dict, kind: str,
 
 
 @pytest.mark.parametrize("kind", ["eagle", "dflash"])
-@pytest.mark.parametrize("weights,head_weights", [("q8_0", "auto"), ("q8_0", "q4_1"), ("q4_1", "q4_1")])
+@pytest.mark.parametrize("weights,head_weights", [("q8_0", "auto"), ("q8_0", "q4_1"), ("q4_1", "q4_1"),
+                                                  ("int8", "auto"), ("fp16", "int8")])
 def test_drafters_on_quantized_blocks_stay_lossless(trained: dict, kind: str, weights: str, head_weights: str,
                                                     tiny_runner: ModelRunner) -> None:
     """engine.proposer.weights=q8_0 / q4_1: the drafter's linears stream its weights rounded to those blocks, and
     head_weights the draft head's (the target's head, here not made of blocks, rounded too; auto: as the drafter's);
-    drafts may change, the output may not."""
+    int8: Q8_0 blocks in 8-bit integer products. Drafts may change, the output may not."""
+    if "int8" in (weights, head_weights) and not native_head.supported():
+        pytest.skip("int8 products need the native kernels and AVX-512 VNNI")
     prompts = _prompts(16, seed=3)[8:14]
     expected = [r.output_token_ids for r in AREngine(tiny_runner).run(make_requests(prompts, 24, ignore_eos=True)).requests]
     config = _proposer_with_vocab(kind, trained[kind][0], 96)
@@ -907,18 +911,26 @@ def test_drafters_on_quantized_blocks_stay_lossless(trained: dict, kind: str, we
     engine = SpeculativeEngine(tiny_runner, config, num_spec_tokens=3,
                                scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), kv_cache=KV)
     linears = [m for m in engine.proposer.drafter.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.fresh_blocks() is not None and m.half_weight is None for m in linears)
+    head, head_kind = engine.proposer.draft_head, weights if head_weights == "auto" else head_weights
     block_dtype = {"q8_0": torch.int8, "q4_1": torch.uint8}
-    assert {m.fresh_blocks().dtype for m in linears} == {block_dtype[weights]}
-    head = engine.proposer.draft_head.fresh_blocks()
-    assert head is not None and head.dtype == block_dtype[weights if head_weights == "auto" else head_weights]
+    if weights in block_dtype:
+        assert linears and all(m.fresh_blocks() is not None and m.half_weight is None for m in linears)
+        assert {m.fresh_blocks().dtype for m in linears} == {block_dtype[weights]}
+    elif weights == "int8":   # NOTE: where the output rows are a multiple of 16 (the tiny drafter's fc is not)
+        assert any(m.fresh_int8() is not None for m in linears)
+    if head_kind in block_dtype:
+        assert head.fresh_blocks() is not None and head.fresh_blocks().dtype == block_dtype[head_kind]
+    else:
+        assert head.fresh_int8() is not None
     assert [r.output_token_ids for r in engine.run(make_requests(prompts, 24, ignore_eos=True)).requests] == expected
     assert engine.stats()["spec_decode_accepted_tokens"] > 0
 
 
-def test_draft_weights_resolve_from_the_target_and_refuse_unknown_kinds(trained: dict, tiny_runner: ModelRunner) -> None:
-    assert resolve_draft_weights("auto", tiny_runner) == "fp16"     # NOTE: the tiny target is not on AMX tiles
-    kinds = ("fp32", "fp16", "q8_0", "q4_1")
+def test_draft_weights_resolve_from_the_target_and_refuse_unknown_kinds(trained: dict, tiny_runner: ModelRunner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: the tiny target is not on AMX tiles: int8 products where the CPU has AVX-512 VNNI, else fp16 copies
+    assert resolve_draft_weights("auto", tiny_runner) == ("int8" if native_head.supported() else "fp16")
+    kinds = ("fp32", "fp16", "q8_0", "q4_1", "int8")
     assert [resolve_draft_weights(w, tiny_runner) for w in kinds] == list(kinds)
     assert resolve_head_weights("auto", "q8_0") == "q8_0", "auto: the head streams as the drafter"
     assert [resolve_head_weights(w, "fp16") for w in kinds] == list(kinds)
@@ -928,6 +940,15 @@ def test_draft_weights_resolve_from_the_target_and_refuse_unknown_kinds(trained:
         config.build(tiny_runner, PagedKVCacheManager(64, 4))
     config.weights, config.head_weights = "auto", "int4"
     with pytest.raises(LabError, match="engine.proposer.head_weights='int4'"):
+        config.build(tiny_runner, PagedKVCacheManager(64, 4))
+    monkeypatch.setattr(native_head, "supported", lambda: False)     # NOTE: a CPU without AVX-512 VNNI
+    assert resolve_draft_weights("auto", tiny_runner) == "fp16"
+    config.weights, config.head_weights = "int8", "auto"
+    with pytest.raises(LabError, match="needs a CPU with AVX-512 VNNI"):
+        config.build(tiny_runner, PagedKVCacheManager(64, 4))
+    config = _proposer_with_vocab("dflash", trained["dflash"][0], 96)
+    config.head_weights = "int8"
+    with pytest.raises(LabError, match="needs a CPU with AVX-512 VNNI"):
         config.build(tiny_runner, PagedKVCacheManager(64, 4))
 
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from lab.engines.ar import AREngine
 from lab.kv_cache.block_kv import BlockKVCache, SeqSlice
-from lab.models import native_gemv, weight_blocks
+from lab.models import native_gemv, native_head, weight_blocks
 from lab.models.packed_linear import (NATIVE_MAX_ROWS, PackedLinear, can_pack, pack_linear_weights,
-                                       project_rows, use_draft_blocks, use_half_weights)
+                                       project_rows, use_draft_blocks, use_half_weights, use_int8_weights)
 from lab.models.sources import tiny
 from lab.runner import ModelRunner
 from tests.helpers import load_experiment, make_requests
@@ -199,6 +199,34 @@ def test_q8_0_weights_serve_few_rows_rounded_and_keep_exact_blocks_exact(count_g
         assert torch.equal(exact(x), native_gemv.gemv(x, exact.weight, exact.bias))
     assert use_draft_blocks(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
     assert weight_blocks.quantize_q8_0(torch.randn(4, 24)) is None
+
+
+@pytest.mark.skipif(not native_head.supported(), reason="int8 products need the native kernels and AVX-512 VNNI")
+def test_int8_weights_serve_up_to_64_rows_and_step_aside_when_stale() -> None:
+    """use_int8_weights (drafters): calls of up to 64 rows take the weight's Q8_0 blocks in 8-bit integer products
+    (its own blocks where it is made of them, else its Q8_0 rounding), project_rows a slice of them; more rows, a
+    stale copy or output rows off the 16-row groups take the fp32 weight."""
+    layer = _packed_layer(out_features=48, in_features=64)
+    assert use_int8_weights(torch.nn.Sequential(layer)) == 1 and layer.half_weight is None and layer.blocks is None
+    rounded = weight_blocks.round_to_q8_0(layer.weight)
+    with torch.inference_mode():
+        x = torch.randn(64, layer.in_features)
+        assert torch.equal(layer(x), layer.int8.products(x, layer.bias))
+        torch.testing.assert_close(layer(x), F.linear(x, rounded, layer.bias), atol=0.05, rtol=0.05)
+        torch.testing.assert_close(project_rows(layer, x[:3], slice(16, None)), layer.int8.products(x[:3])[:, 16:])
+        many = torch.randn(65, layer.in_features)       # more rows: the fp32 GEMM
+        torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            layer.weight.mul_(2)                        # stale now: the live fp32 weight serves
+        torch.testing.assert_close(layer(x[:3]), F.linear(x[:3], layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    exact = _packed_layer(out_features=32, in_features=64)
+    with torch.no_grad():
+        exact.weight.copy_(rounded[:32])
+    use_int8_weights(torch.nn.Sequential(exact))
+    own = weight_blocks.find_blocks(rounded[:32], "q8_0")
+    assert torch.equal(exact.int8.screen, native_head.Int8Weight(own).screen), "its own blocks, not a rounding"
+    assert use_int8_weights(torch.nn.Sequential(_packed_layer(out_features=40, in_features=64))) == 0
+    assert use_int8_weights(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
 
 
 @needs_kernel

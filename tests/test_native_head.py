@@ -103,6 +103,52 @@ def test_only_q8_0_heads_of_16_row_groups_are_screened() -> None:
         native_head.HeadScreen(blocks[:250])
 
 
+def screen_bound(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(rows, out): how far a screen value may be from the exact product, E = sum_b |d| |q|_1 S_b / 2 (S_b: x's int8
+    scale in block b), plus fp32 rounding."""
+    rows, out, nb = x.shape[0], blocks.shape[0], x.shape[1] // 32
+    parts = blocks.view(out, nb, weight_blocks.Q8_0_BYTES)
+    d = parts[..., :4].contiguous().view(torch.float32).view(out, nb)
+    l1 = d.abs() * parts[..., 4:].to(torch.float32).abs().sum(-1)                    # (out, nb)
+    scale = x.view(rows, nb, 32).abs().amax(-1) / 127                                # (rows, nb)
+    return (scale / 2) @ l1.T * 1.01 + 1e-5 * (x.abs() @ weight_blocks.unpack(blocks).abs().T)
+
+
+@needs_screen
+def test_int8_products_stay_within_the_screens_bound_at_every_row_count(threads: int) -> None:
+    """Int8Weight (engine.proposer.weights=int8): x W^T with x rounded to int8 per 32 columns, summed in integers,
+    plus the bias; each value within the screen's bound of the exact product; any leading shape, 1-64 rows."""
+    blocks = q8_0_head(96, 128, seed=11)
+    weight, bias = weight_blocks.unpack(blocks), torch.randn(96)
+    int8 = native_head.Int8Weight(blocks)
+    generator = torch.Generator().manual_seed(12)
+    for rows in (1, 2, 3, 4, 7, 8, 9, 13, 33, 64):
+        x = torch.randn(rows, 128, generator=generator) * torch.rand(rows, 1, generator=generator) * 4
+        exact = x @ weight.T
+        products = int8.products(x)
+        assert ((products - exact).abs() <= screen_bound(x, blocks)).all(), rows
+        assert (products - exact).abs().max() > 0, "the inputs are rounded"
+        torch.testing.assert_close(int8.products(x.view(1, rows, 128), bias), (products + bias).view(1, rows, 96))
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        int8.products(torch.randn(65, 128))
+    with pytest.raises(RuntimeError, match="fp32 rows of 128"):
+        int8.products(torch.randn(2, 64))
+
+
+@needs_screen
+def test_int8_products_of_a_row_slice_and_of_non_finite_rows() -> None:
+    blocks = q8_0_head(96, 64, seed=13)
+    int8 = native_head.Int8Weight(blocks)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14))
+    part = int8.rows(slice(32, 80))
+    assert part is not None and part.out_features == 48
+    assert part.screen.data_ptr() == int8.screen[2].data_ptr(), "a view of the same bytes"
+    torch.testing.assert_close(part.products(x), int8.products(x)[:, 32:80])
+    assert int8.rows(slice(8, 48)) is None and int8.rows(slice(0, 96, 2)) is None, "a cut group, a stride"
+    x[1, 5] = float("inf")
+    assert int8.products(x).isnan().all(), "a non-finite input: no products, not a crash"
+
+
 def test_greedy_rows_stand_in_for_logits() -> None:
     rows = GreedyRows(torch.tensor([5, 7, 9]))
     assert len(rows) == 3 and torch.equal(argmax_rows(rows[1:]), torch.tensor([7, 9]))

@@ -1310,6 +1310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panels", &gemm_panels, release());
   m.def("head_screen_supported", &head_screen_supported, release());
   m.def("head_argmax", &head_argmax, release());
+  m.def("screen_products", &screen_products, release());
 }
 """
 

@@ -27,9 +27,15 @@ the time their bytes take to arrive (the screen ~1.2x faster: the full head also
 three rows on the full head is bound by its FMAs and the screen, a quarter of the arithmetic, is 2-2.5x faster up to
 7 rows (docs/benchmarks.md, "The head's greedy screen").
 
-Owns: the screen's layout and its argmax. Ignores: when a step may use it (only its argmax is read: DecoderModel
-.greedy_tokens and the engines decide). The source is compiled into native_gemv's extension (one build), whose
-`load_kernel` gates it; `supported()` adds the CPU's AVX-512 VNNI.
+The screen values themselves are a drafter's products (`Int8Weight`, engine.proposer.weights=int8): x W^T with x
+rounded to int8 per 32 columns, within E of the exact products, at four times the fp32 FMAs' rate. A drafter's
+outputs need not be exact (the target verifies every draft), and its few rows through the fp32 block GEMV were bound
+by their FMAs: a DFlash draft on SmolLM2 1.2-1.4 ms -> 1.0 ms (experiments/bench_drafter.py).
+
+Owns: the screen's layout, its argmax and its products. Ignores: when a step may use them (only the head's argmax is
+read: DecoderModel.greedy_tokens and the engines decide; PackedLinear takes the products for a drafter's linears).
+The source is compiled into native_gemv's extension (one build), whose `load_kernel` gates it; `supported()` adds
+the CPU's AVX-512 VNNI.
 """
 
 from __future__ import annotations
@@ -51,19 +57,17 @@ bool head_screen_supported() {
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 }
 
-// One group of 16 vocabulary rows against N input rows: their screen values plus their bound (ub: (N, V)) and, per
-// row, the group's largest s + E (gub) and s - E (glb). w: the group's screen bytes (nb blocks x 8 loads x 64:
-// load c of block b holds columns 32 b + 4 c .. + 3 of the 16 rows, 4 bytes a row, q + 128); sc: per block the 16
-// rows' d, then their |d| |q|_1 (fp16). The input rows come interleaved, as ScreenRows lays them out.
-template <int N>
-LAB_VNNI static void screen_group(const uint8_t* w, const uint16_t* sc, int64_t nb, const int8_t* X, const float* xs,
-                                  const float* xh, const int32_t* base, float* ub, int64_t V, float* gub, float* glb,
-                                  int64_t G, int64_t g) {
-  __m512 acc[N], err[N];
+// One group of 16 vocabulary rows against N input rows: acc[r] = their screen values s and, with Bounds, err[r] =
+// their bound E. w: the group's screen bytes (nb blocks x 8 loads x 64: load c of block b holds columns 32 b + 4 c
+// .. + 3 of the 16 rows, 4 bytes a row, q + 128); sc: per block the 16 rows' d, then their |d| |q|_1 (fp16). The
+// input rows come interleaved, as ScreenRows lays them out.
+template <int N, bool Bounds>
+LAB_VNNI static inline void group_sums(const uint8_t* w, const uint16_t* sc, int64_t nb, const int8_t* X,
+                                       const float* xs, const float* xh, const int32_t* base, __m512* acc,
+                                       __m512* err) {
   for (int r = 0; r < N; ++r) acc[r] = err[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += 512, sc += 32, X += 32 * N, xs += N, xh += N, base += N) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
-    const __m512 e = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
     __m512i dot[N];
     for (int r = 0; r < N; ++r) dot[r] = _mm512_set1_epi32(base[r]);
     for (int c = 0; c < 8; ++c) {
@@ -71,17 +75,40 @@ LAB_VNNI static void screen_group(const uint8_t* w, const uint16_t* sc, int64_t 
       const int32_t* x4 = reinterpret_cast<const int32_t*>(X + 4 * N * c);
       for (int r = 0; r < N; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], wc, _mm512_set1_epi32(x4[r]));
     }
-    for (int r = 0; r < N; ++r) {
+    for (int r = 0; r < N; ++r)
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r])), acc[r]);
-      err[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xh[r]), err[r]);
+    if (Bounds) {
+      const __m512 e = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 16)));
+      for (int r = 0; r < N; ++r) err[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xh[r]), err[r]);
     }
   }
+}
+
+// The screen of one group against N input rows: its values plus their bound into ub (N, V) and, per row, the
+// group's largest s + E (gub) and s - E (glb).
+template <int N>
+LAB_VNNI static void screen_group(const uint8_t* w, const uint16_t* sc, int64_t nb, const int8_t* X, const float* xs,
+                                  const float* xh, const int32_t* base, float* ub, int64_t V, float* gub, float* glb,
+                                  int64_t G, int64_t g) {
+  __m512 acc[N], err[N];
+  group_sums<N, true>(w, sc, nb, X, xs, xh, base, acc, err);
   for (int r = 0; r < N; ++r) {
     const __m512 upper = _mm512_add_ps(acc[r], err[r]);
     _mm512_storeu_ps(ub + r * V + GROUP_ROWS * g, upper);
     gub[r * G + g] = _mm512_reduce_max_ps(upper);
     glb[r * G + g] = _mm512_reduce_max_ps(_mm512_sub_ps(acc[r], err[r]));
   }
+}
+
+// The screen values alone of one group against N input rows, plus the bias (or not), into y (N, V): int8 products
+// for a drafter's linears (screen_products).
+template <int N>
+LAB_VNNI static void product_group(const uint8_t* w, const uint16_t* sc, int64_t nb, const int8_t* X, const float* xs,
+                                   const int32_t* base, const float* bias, float* y, int64_t V, int64_t g) {
+  __m512 acc[N], err[N];
+  group_sums<N, false>(w, sc, nb, X, xs, xs, base, acc, err);
+  const __m512 add = bias ? _mm512_loadu_ps(bias + GROUP_ROWS * g) : _mm512_setzero_ps();
+  for (int r = 0; r < N; ++r) _mm512_storeu_ps(y + r * V + GROUP_ROWS * g, _mm512_add_ps(acc[r], add));
 }
 
 // Up to 8 input rows quantized for screen_group, interleaved so that its loads walk one stream each: X (nb, 8, N, 4)
@@ -129,6 +156,27 @@ static bool quantize_rows(const float* x, int64_t m0, int64_t n, int64_t nb, dou
   return true;
 }
 
+// M input rows quantized in chunks of at most 8 (their sums stay in registers), as even as they come (12 rows as 6 +
+// 6): chunk k holds rows first[k] ..; false where a value is not finite or too large (quantize_rows).
+static bool screen_chunks(const float* x, int64_t M, int64_t nb, double slack, std::vector<ScreenRows>& chunks,
+                          std::vector<int64_t>& first) {
+  chunks.resize((M + 7) / 8);
+  first.resize(chunks.size());
+  for (int64_t k = 0, m = 0, K = int64_t(chunks.size()); k < K; ++k) {
+    const int64_t n = (M - m) / (K - k);
+    first[k] = m;
+    if (!quantize_rows(x, m, n, nb, slack, chunks[k])) return false;
+    m += n;
+  }
+  return true;
+}
+
+static void check_screen(const char* name, const at::Tensor& screen, const at::Tensor& scales, int64_t G, int64_t nb) {
+  TORCH_CHECK(screen.scalar_type() == at::kByte && screen.is_contiguous() && screen.numel() == G * nb * 512 &&
+              scales.scalar_type() == at::kShort && scales.is_contiguous() && scales.numel() == G * nb * 32, name,
+              ": screen / scales do not match the blocks (HeadScreen)");
+}
+
 // x (..., in) fp32 with M rows (1-64); screen uint8 (G, nb * 512); scales int16 (G, nb * 32) holding fp16 bits;
 // blocks int8 (16 G, nb * 36), the head's Q8_0 blocks -> (...) int64: argmax_rows(gemv_blocks(x, blocks)).
 at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& scales,
@@ -136,9 +184,8 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   TORCH_CHECK(blocks.scalar_type() == at::kChar && blocks.dim() == 2 && blocks.is_contiguous() &&
               blocks.size(1) % 36 == 0, "head_argmax: blocks must be contiguous Q8_0 (V, nb * 36) int8");
   const int64_t nb = blocks.size(1) / 36, in = 32 * nb, V = blocks.size(0), G = V / GROUP_ROWS;
-  TORCH_CHECK(V % GROUP_ROWS == 0 && screen.scalar_type() == at::kByte && screen.is_contiguous() &&
-              screen.numel() == G * nb * 512 && scales.scalar_type() == at::kShort && scales.is_contiguous() &&
-              scales.numel() == G * nb * 32, "head_argmax: screen / scales do not match the blocks (HeadScreen)");
+  TORCH_CHECK(V % GROUP_ROWS == 0, "head_argmax: the head's rows must be a multiple of 16");
+  check_screen("head_argmax", screen, scales, G, nb);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == in && x.numel() >= in,
               "head_argmax: x must be fp32 rows of ", in, " values");
   const int64_t M = x.numel() / in;
@@ -148,16 +195,10 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   const auto full_head = [&] { return argmax_rows(gemv_blocks(xc, blocks, c10::nullopt, max_threads)); };
   at::Tensor out = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  // NOTE: rows in chunks of at most 8 (their sums stay in registers), as even as they come: 12 rows as 6 + 6
-  std::vector<ScreenRows> chunks((M + 7) / 8);
-  std::vector<int64_t> first(chunks.size());
-  for (int64_t k = 0, m = 0, K = int64_t(chunks.size()); k < K; ++k) {
-    const int64_t n = (M - m) / (K - k);
-    first[k] = m;
-    if (!quantize_rows(xp, m, n, nb, slack, chunks[k]))
-      return full_head();                    // NOTE: NaN, inf: the full head decides
-    m += n;
-  }
+  std::vector<ScreenRows> chunks;
+  std::vector<int64_t> first;
+  if (!screen_chunks(xp, M, nb, slack, chunks, first))
+    return full_head();                      // NOTE: NaN, inf: the full head decides
   // NOTE: ub is written whole before it is read: left uninitialised (zeroing it cost ~0.2 MB of stores a row)
   std::unique_ptr<float[]> ub(new float[M * V]);
   std::vector<float> gub(M * G), glb(M * G);
@@ -218,6 +259,52 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
   }
   return out;
 }
+
+// x (..., in) fp32 with M rows (1-64); screen uint8 (G, nb * 512) and scales int16 (G, nb * 32) of a Q8_0 weight
+// (V = 16 G, in = 32 nb); bias (V,) fp32 or None -> (..., V) fp32: each row's screen values s, i.e. x W^T with x
+// rounded to int8 per block of 32 columns (within E of the exact products), plus the bias. NaN for every row where a
+// row holds a non-finite value. A drafter's products (native_head.Int8Weight), never a target's.
+at::Tensor screen_products(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& bias, int64_t max_threads) {
+  TORCH_CHECK(screen.dim() == 2 && screen.size(1) % 512 == 0, "screen_products: screen must be (G, nb * 512)");
+  const int64_t G = screen.size(0), nb = screen.size(1) / 512, in = 32 * nb, V = G * GROUP_ROWS;
+  check_screen("screen_products", screen, scales, G, nb);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == in && x.numel() >= in,
+              "screen_products: x must be fp32 rows of ", in, " values");
+  const int64_t M = x.numel() / in;
+  TORCH_CHECK(M <= 64, "screen_products: at most 64 rows (", M, " given)");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == V),
+              "screen_products: bias must be contiguous fp32 (", V, ",)");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = V;
+  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor xc = x.contiguous();
+  std::vector<ScreenRows> chunks;
+  std::vector<int64_t> first;
+  if (!screen_chunks(xc.data_ptr<float>(), M, nb, 0.0, chunks, first)) return y.fill_(NAN);
+  const uint8_t* sp = screen.data_ptr<uint8_t>();
+  const uint16_t* cp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  split_rows(G, nb * 576, max_threads, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (size_t k = 0; k < chunks.size(); ++k) {
+        const ScreenRows& q = chunks[k];
+        const uint8_t* w = sp + g * nb * 512;
+        const uint16_t* sc = cp + g * nb * 32;
+        float* out = yp + first[k] * V;
+        switch (q.n) {
+#define LAB_PRODUCT_ROWS(N) \
+          case N: product_group<N>(w, sc, nb, q.X.data(), q.xs.data(), q.base.data(), bp, out, V, g); break;
+          LAB_PRODUCT_ROWS(1) LAB_PRODUCT_ROWS(2) LAB_PRODUCT_ROWS(3) LAB_PRODUCT_ROWS(4) LAB_PRODUCT_ROWS(5)
+          LAB_PRODUCT_ROWS(6) LAB_PRODUCT_ROWS(7) default: LAB_PRODUCT_ROWS(8)
+#undef LAB_PRODUCT_ROWS
+        }
+      }
+  });
+  return y;
+}
 """
 
 
@@ -227,29 +314,36 @@ def supported() -> bool:
     return kernel is not None and bool(kernel.head_screen_supported())
 
 
+def screen_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks, int8 (V, in / 32 * 36) with V a multiple of 16 (`can_screen`) -> their screen: (the unsigned
+    bytes q + 128, transposed so that one 64-byte load holds 4 columns of 16 rows: uint8 (G, nb * 512); per group and
+    block the 16 rows' d, then their |d| |q|_1 rounded up, as fp16 bits: int16 (G, nb * 32))."""
+    if not can_screen(blocks):
+        raise ValueError("the screen needs 2-D Q8_0 blocks (int8) with a multiple of 16 rows")
+    vocab, row_bytes = blocks.shape
+    nb = row_bytes // weight_blocks.Q8_0_BYTES
+    parts = blocks.view(vocab, nb, weight_blocks.Q8_0_BYTES)
+    d = parts[..., :4].contiguous().view(torch.float32).view(vocab, nb)            # fp16 values
+    q = parts[..., 4:].to(torch.int16)                                             # (V, nb, 32)
+    groups = vocab // GROUP_ROWS
+    # (G, 16, nb, 8, 4) -> (G, nb, 8, 16, 4): load c of block b = 4 columns of the group's 16 rows
+    unsigned = (q + 128).to(torch.uint8).view(groups, GROUP_ROWS, nb, 8, 4)
+    screen = unsigned.permute(0, 2, 3, 1, 4).contiguous().view(groups, nb * 512)
+    bound = d.abs() * q.abs().sum(-1).to(torch.float32)                           # |d| |q|_1 (V, nb)
+    bound_half = bound.half()
+    below = bound_half.float() < bound
+    bound_half[below] = torch.nextafter(bound_half[below], torch.tensor(float("inf"), dtype=torch.float16))
+    per_group = torch.stack([d.half(), bound_half], 1).view(groups, GROUP_ROWS, 2, nb)   # (G, 16, 2, nb)
+    return screen, per_group.permute(0, 3, 2, 1).contiguous().view(torch.int16).view(groups, nb * 32)
+
+
 class HeadScreen:
     """A Q8_0 head's screen (the module docstring): `argmax(x)` = argmax_rows(gemv(x, blocks)) for 1-64 rows."""
 
     def __init__(self, blocks: torch.Tensor) -> None:
         """blocks: the head's Q8_0 blocks, int8 (V, in / 32 * 36), V a multiple of 16 (`can_screen`)."""
-        if not can_screen(blocks):
-            raise ValueError("HeadScreen needs 2-D Q8_0 blocks (int8) with a multiple of 16 rows")
+        self.screen, self.scales = screen_layout(blocks)
         self.blocks = blocks
-        vocab, row_bytes = blocks.shape
-        nb = row_bytes // weight_blocks.Q8_0_BYTES
-        parts = blocks.view(vocab, nb, weight_blocks.Q8_0_BYTES)
-        d = parts[..., :4].contiguous().view(torch.float32).view(vocab, nb)            # fp16 values
-        q = parts[..., 4:].to(torch.int16)                                             # (V, nb, 32)
-        groups = vocab // GROUP_ROWS
-        # (G, 16, nb, 8, 4) -> (G, nb, 8, 16, 4): load c of block b = 4 columns of the group's 16 rows
-        unsigned = (q + 128).to(torch.uint8).view(groups, GROUP_ROWS, nb, 8, 4)
-        self.screen = unsigned.permute(0, 2, 3, 1, 4).contiguous().view(groups, nb * 512)
-        bound = d.abs() * q.abs().sum(-1).to(torch.float32)                           # |d| |q|_1 (V, nb)
-        bound_half = bound.half()
-        below = bound_half.float() < bound
-        bound_half[below] = torch.nextafter(bound_half[below], torch.tensor(float("inf"), dtype=torch.float16))
-        per_group = torch.stack([d.half(), bound_half], 1).view(groups, GROUP_ROWS, 2, nb)   # (G, 16, 2, nb)
-        self.scales = per_group.permute(0, 3, 2, 1).contiguous().view(torch.int16).view(groups, nb * 32)
 
     @property
     def nbytes(self) -> int:
@@ -259,6 +353,35 @@ class HeadScreen:
         """x (..., in) fp32, 1-64 rows -> (...) int64: each row's first token with the largest logit."""
         return native_gemv.load_kernel().head_argmax(x, self.screen, self.scales, self.blocks, BOUND_SLACK,
                                                      native_gemv.THREADS)
+
+
+class Int8Weight:
+    """A drafter linear's weight for 8-bit integer products (`engine.proposer.weights=int8`): its Q8_0 blocks in the
+    screen's layout (screen_layout), and `products(x)` = the screen values of x, i.e. x W^T with each input row
+    rounded to int8 per block of 32 columns, summed in integers by `vpdpbusd`: four times the fp32 FMAs' rate, so
+    a drafter's few rows cost about what their bytes take to arrive. Within E (the module docstring) of the exact
+    products: lossy, so only for drafters, whose every draft the target verifies."""
+
+    def __init__(self, blocks: torch.Tensor | None = None, screen: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> None:
+        """From Q8_0 `blocks` (int8 (out, in / 32 * 36), out a multiple of 16: `can_screen`), or from a screen and its
+        scales as screen_layout lays them out."""
+        self.screen, self.scales = screen_layout(blocks) if blocks is not None else (screen, scales)
+        self.out_features = self.screen.shape[0] * GROUP_ROWS
+
+    def products(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., in) fp32, 1-64 rows -> (..., out) fp32: x W^T (+ bias) in 8-bit integer products; NaN rows where
+        an input holds a non-finite value."""
+        return native_gemv.load_kernel().screen_products(x, self.screen, self.scales, bias, native_gemv.THREADS)
+
+    def rows(self, rows: slice) -> "Int8Weight | None":
+        """The weight of output rows `rows` (a step-1 slice of whole 16-row groups: a drafter's K and V without Q),
+        sharing the bytes; None where `rows` cuts a group."""
+        start, stop, step = rows.indices(self.out_features)
+        if step != 1 or start % GROUP_ROWS or stop % GROUP_ROWS:
+            return None
+        groups = slice(start // GROUP_ROWS, stop // GROUP_ROWS)
+        return Int8Weight(screen=self.screen[groups], scales=self.scales[groups])
 
 
 def can_screen(blocks: torch.Tensor | None) -> bool:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lab import huge_pages
-from lab.models import native_gemm, native_gemv, native_tiles, weight_blocks
+from lab.models import native_gemm, native_gemv, native_head, native_tiles, weight_blocks
 
 GemmBackend = Literal["native", "onednn"]
 GEMM_BACKENDS: tuple[GemmBackend, ...] = ("native", "onednn")
@@ -77,6 +77,8 @@ class PackedLinear(nn.Linear):
     blocks: torch.Tensor | None = None       # the weight's exact GGUF blocks for the few-row GEMV (use_block_weights)
     _blocks_key: tuple[int, int] = (0, -1)
     block_max_rows: int = BLOCK_MAX_ROWS     # calls of up to this many rows stream `blocks`
+    int8: native_head.Int8Weight | None = None   # Q8_0 blocks in 8-bit integer products (drafters: use_int8_weights)
+    _int8_key: tuple[int, int] = (0, -1)
 
     def pack(self, backend: GemmBackend | None = None, batch_hint: int = PACK_BATCH_HINT) -> None:
         backend = backend or default_backend()
@@ -97,6 +99,10 @@ class PackedLinear(nn.Linear):
         """`blocks` while they still hold the live weight's values, else None."""
         return self.blocks if self.blocks is not None and self._blocks_key == self._weight_key() else None
 
+    def fresh_int8(self) -> native_head.Int8Weight | None:
+        """`int8` while it still holds the live weight's values, else None."""
+        return self.int8 if self.int8 is not None and self._int8_key == self._weight_key() else None
+
     def half_copy_serves(self, x: torch.Tensor) -> bool:
         """Whether input x goes to the fp16 copy: a few rows, a fresh copy, and the native kernel usable."""
         return (0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features and self.half_weight is not None
@@ -113,6 +119,10 @@ class PackedLinear(nn.Linear):
             # precision is read first: ~0.15 us, half the device check's, and false outside training.
             return F.linear(x, self.weight, self.bias)
         weight = self.weight
+        int8 = self.fresh_int8()
+        if (int8 is not None and 0 < x.numel() <= GEMV_MAX_ROWS * self.in_features
+                and native_gemv.usable(x, weight, self.bias)):
+            return int8.products(x, self.bias)                    # NOTE: lossy: a drafter's own weights only
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
         blocks = self.fresh_blocks()
         if (blocks is not None and 0 < x.numel() <= self.block_max_rows * self.in_features
@@ -135,8 +145,14 @@ class PackedLinear(nn.Linear):
 def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tensor:
     """x (..., in) -> x @ linear.weight[rows].T (..., rows), no bias: part of a fused projection (a drafter's K and V
     without Q). Few rows stream that part of the blocks (use_draft_blocks) or of the fp16 copy (use_half_weights)
-    where the native kernel runs."""
+    where the native kernel runs, or that part's int8 products (use_int8_weights)."""
     if isinstance(linear, PackedLinear):
+        int8 = linear.fresh_int8()
+        if (int8 is not None and 0 < x.numel() <= GEMV_MAX_ROWS * linear.in_features
+                and native_gemv.usable(x, linear.weight)):
+            part = int8.rows(rows)
+            if part is not None:
+                return part.products(x)
         blocks = linear.fresh_blocks()
         if (blocks is not None and 0 < x.numel() <= linear.block_max_rows * linear.in_features
                 and native_gemv.usable(x, linear.weight)):
@@ -242,17 +258,40 @@ def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", 
     return count
 
 
+def use_int8_weights(model: nn.Module) -> int:
+    """Give every PackedLinear of `model` whose output rows are a multiple of 16 its weight as Q8_0 blocks for 8-bit
+    integer products (native_head.Int8Weight: the inputs rounded to int8 per 32 columns, 64 byte products an
+    instruction against an fp32 FMA's 16), which its calls of up to GEMV_MAX_ROWS rows then take: the weight's own
+    Q8_0 blocks where it is exactly such values (a head shared with the target), else the weight rounded to Q8_0.
+    Lossy on both sides, so only for drafters, whose every draft the target verifies; needs a CPU with AVX-512 VNNI
+    (native_head.supported). Returns how many."""
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if (type(module) is not PackedLinear or not _is_cpu_fp32(module.weight)
+                    or module.out_features % native_head.GROUP_ROWS or module.in_features % weight_blocks.BLOCK):
+                continue
+            blocks = weight_blocks.find_blocks(module.weight, "q8_0")
+            if blocks is None:
+                blocks = weight_blocks.quantize(module.weight, "q8_0")
+            module.int8, module._int8_key = native_head.Int8Weight(blocks), module._weight_key()
+            module.half_weight = module.blocks = None
+            count += 1
+    return count
+
+
 def move_streamed_weights_to_huge_pages(model: nn.Module) -> int:
     """Move what every PackedLinear of `model` streams in its few-row calls (its GGUF blocks, its fp16 copy) into one
     mapping on 2 MiB pages (lab/huge_pages.py), in module order, i.e. the order a forward reads them. The same
     values, so outputs are unchanged; a copy made stale by a changed weight stays stale. Returns the bytes moved."""
-    slots = [(module, name) for module in model.modules() if type(module) is PackedLinear
-             for name in ("blocks", "half_weight") if getattr(module, name) is not None]
+    slots = [(owner, name) for module in model.modules() if type(module) is PackedLinear
+             for owner, names in ((module, ("blocks", "half_weight")), (module.int8, ("screen", "scales")))
+             if owner is not None for name in names if getattr(owner, name) is not None]
     if not slots:
         return 0
-    moved = huge_pages.move([getattr(module, name) for module, name in slots])
-    for (module, name), tensor in zip(slots, moved):
-        setattr(module, name, tensor)
+    moved = huge_pages.move([getattr(owner, name) for owner, name in slots])
+    for (owner, name), tensor in zip(slots, moved):
+        setattr(owner, name, tensor)
     return sum(t.numel() * t.element_size() for t in moved)
 
 
@@ -283,7 +322,7 @@ def unpack_linear_weights(model: nn.Module) -> int:
         if type(module) is PackedLinear:
             module.__class__ = nn.Linear
             for name in ("packed", "backend", "_packed_key", "half_weight", "_half_key", "blocks", "_blocks_key",
-                         "block_max_rows"):
+                         "block_max_rows", "int8", "_int8_key"):
                 module.__dict__.pop(name, None)
             count += 1
     return count

@@ -377,7 +377,7 @@ class DFlashProposerConfig:
     """conf/engine/proposer/dflash.yaml. `checkpoint: null` drafts with a random-init drafter (tests only),
     built from `drafter` (block size, layers, target layers read); draft_vocab_size: draft logits for the
     first N token ids only (0: all); weights: what the drafter's few-row products stream (auto, fp32, fp16, q8_0,
-    q4_1; feature_proposer.resolve_draft_weights); head_weights: what the draft head's stream (auto: as weights;
+    q4_1, int8; feature_proposer.resolve_draft_weights); head_weights: what the draft head's stream (auto: as weights;
     resolve_head_weights);
     min_confidence, always_draft: the ConfidenceGate (verify the block's drafts while the product of their
     confidences stays >= min_confidence, the first always_draft regardless; lab/spec/feature_proposer.py);

@@ -194,7 +194,7 @@ class EagleProposer(FeatureProposer):
 class EagleProposerConfig:
     """conf/engine/proposer/eagle.yaml. `checkpoint: null` drafts with a random-init head (tests only);
     draft_vocab_size: draft logits for the first N token ids only (0: all); weights: what the drafter's few-row
-    products stream (auto, fp32, fp16, q8_0, q4_1; feature_proposer.resolve_draft_weights); head_weights: what the
+    products stream (auto, fp32, fp16, q8_0, q4_1, int8; feature_proposer.resolve_draft_weights); head_weights: what the
     draft head's stream (auto: as weights; resolve_head_weights); min_confidence, always_draft:
     the ConfidenceGate (draft while the product of the head's confidences stays >= min_confidence, the first
     always_draft positions regardless; lab/spec/feature_proposer.py);
