@@ -28,9 +28,9 @@ three rows on the full head is bound by its FMAs and the screen, a quarter of th
 7 rows (docs/benchmarks.md, "The head's greedy screen").
 
 The screen values themselves are a drafter's products (`Int8Weight`, engine.proposer.weights=int8): x W^T with x
-rounded to int8 per 32 columns, within E of the exact products, at four times the fp32 FMAs' rate. A drafter's
-outputs need not be exact (the target verifies every draft), and its few rows through the fp32 block GEMV were bound
-by their FMAs: a DFlash draft on SmolLM2 1.2-1.4 ms -> 1.0 ms (experiments/bench_drafter.py).
+rounded to int8 per 32 columns, within E of the exact products, 64 byte products an instruction against an fp32
+FMA's 16. A drafter's outputs need not be exact (the target verifies every draft), and its few rows through the fp32
+block GEMV were bound by their FMAs: a DFlash draft on SmolLM2 1.28 -> 0.93 ms (experiments/bench_drafter.py).
 
 Owns: the screen's layout, its argmax and its products. Ignores: when a step may use them (only the head's argmax is
 read: DecoderModel.greedy_tokens and the engines decide; PackedLinear takes the products for a drafter's linears).
@@ -262,8 +262,8 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& screen, const at::
 
 // x (..., in) fp32 with M rows (1-64); screen uint8 (G, nb * 512) and scales int16 (G, nb * 32) of a Q8_0 weight
 // (V = 16 G, in = 32 nb); bias (V,) fp32 or None -> (..., V) fp32: each row's screen values s, i.e. x W^T with x
-// rounded to int8 per block of 32 columns (within E of the exact products), plus the bias. NaN for every row where a
-// row holds a non-finite value. A drafter's products (native_head.Int8Weight), never a target's.
+// rounded to int8 per block of 32 columns (within E of the exact products), plus the bias; every row NaN when any
+// input is not finite. A drafter's products (native_head.Int8Weight), never a target's.
 at::Tensor screen_products(const at::Tensor& x, const at::Tensor& screen, const at::Tensor& scales,
                            const c10::optional<at::Tensor>& bias, int64_t max_threads) {
   TORCH_CHECK(screen.dim() == 2 && screen.size(1) % 512 == 0, "screen_products: screen must be (G, nb * 512)");
@@ -358,8 +358,8 @@ class HeadScreen:
 class Int8Weight:
     """A drafter linear's weight for 8-bit integer products (`engine.proposer.weights=int8`): its Q8_0 blocks in the
     screen's layout (screen_layout), and `products(x)` = the screen values of x, i.e. x W^T with each input row
-    rounded to int8 per block of 32 columns, summed in integers by `vpdpbusd`: four times the fp32 FMAs' rate, so
-    a drafter's few rows cost about what their bytes take to arrive. Within E (the module docstring) of the exact
+    rounded to int8 per block of 32 columns, summed in integers by `vpdpbusd` (64 byte products an instruction
+    against an fp32 FMA's 16), so a drafter's few rows cost about what their bytes take to arrive. Within E (the module docstring) of the exact
     products: lossy, so only for drafters, whose every draft the target verifies."""
 
     def __init__(self, blocks: torch.Tensor | None = None, screen: torch.Tensor | None = None,
@@ -370,8 +370,8 @@ class Int8Weight:
         self.out_features = self.screen.shape[0] * GROUP_ROWS
 
     def products(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., in) fp32, 1-64 rows -> (..., out) fp32: x W^T (+ bias) in 8-bit integer products; NaN rows where
-        an input holds a non-finite value."""
+        """x (..., in) fp32, 1-64 rows -> (..., out) fp32: x W^T (+ bias) in 8-bit integer products; every row NaN
+        when any input is not finite."""
         return native_gemv.load_kernel().screen_products(x, self.screen, self.scales, bias, native_gemv.THREADS)
 
     def rows(self, rows: slice) -> "Int8Weight | None":
