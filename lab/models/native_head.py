@@ -45,6 +45,7 @@ import torch
 from lab.models import native_gemv, weight_blocks
 
 GROUP_ROWS = 16           # vocabulary rows a 64-byte screen load holds (4 columns each)
+MAX_ROWS = 64             # input rows one kernel call takes
 BOUND_SLACK = 1.0 / 32    # E is widened by this share, on top of twice the worst case of both sides' roundings
 
 HEAD_SOURCE = r"""
@@ -370,9 +371,16 @@ class Int8Weight:
         self.out_features = self.screen.shape[0] * GROUP_ROWS
 
     def products(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., in) fp32, 1-64 rows -> (..., out) fp32: x W^T (+ bias) in 8-bit integer products; every row NaN
-        when any input is not finite."""
-        return native_gemv.load_kernel().screen_products(x, self.screen, self.scales, bias, native_gemv.THREADS)
+        """x (..., in) fp32 -> (..., out) fp32: x W^T (+ bias) in 8-bit integer products, each row on its own (more
+        than MAX_ROWS go MAX_ROWS at a time: a drafter catching up over a prompt); NaN in every row of a piece of
+        MAX_ROWS that holds a non-finite input."""
+        kernel = native_gemv.load_kernel()
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= MAX_ROWS:
+            return kernel.screen_products(x, self.screen, self.scales, bias, native_gemv.THREADS)
+        parts = [kernel.screen_products(part, self.screen, self.scales, bias, native_gemv.THREADS)
+                 for part in rows.split(MAX_ROWS)]
+        return torch.cat(parts).view(*x.shape[:-1], self.out_features)
 
     def rows(self, rows: slice) -> "Int8Weight | None":
         """The weight of output rows `rows` (a step-1 slice of whole 16-row groups: a drafter's K and V without Q),

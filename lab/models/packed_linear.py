@@ -120,8 +120,7 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         weight = self.weight
         int8 = self.fresh_int8()
-        if (int8 is not None and 0 < x.numel() <= GEMV_MAX_ROWS * self.in_features
-                and native_gemv.usable(x, weight, self.bias)):
+        if int8 is not None and x.numel() and native_gemv.usable(x, weight, self.bias):
             return int8.products(x, self.bias)                    # NOTE: lossy: a drafter's own weights only
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
         blocks = self.fresh_blocks()
@@ -148,8 +147,7 @@ def project_rows(linear: nn.Linear, x: torch.Tensor, rows: slice) -> torch.Tenso
     where the native kernel runs, or that part's int8 products (use_int8_weights)."""
     if isinstance(linear, PackedLinear):
         int8 = linear.fresh_int8()
-        if (int8 is not None and 0 < x.numel() <= GEMV_MAX_ROWS * linear.in_features
-                and native_gemv.usable(x, linear.weight)):
+        if int8 is not None and x.numel() and native_gemv.usable(x, linear.weight):
             part = int8.rows(rows)
             if part is not None:
                 return part.products(x)
@@ -261,7 +259,7 @@ def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", 
 def use_int8_weights(model: nn.Module) -> int:
     """Give every PackedLinear of `model` whose output rows are a multiple of 16 its weight as Q8_0 blocks for 8-bit
     integer products (native_head.Int8Weight: the inputs rounded to int8 per 32 columns, 64 byte products an
-    instruction against an fp32 FMA's 16), which its calls of up to GEMV_MAX_ROWS rows then take: the weight's own
+    instruction against an fp32 FMA's 16), which its calls then take (any number of rows): the weight's own
     Q8_0 blocks where it is exactly such values (a head shared with the target), else the weight rounded to Q8_0.
     Lossy on both sides, so only for drafters, whose every draft the target verifies; needs a CPU with AVX-512 VNNI
     (native_head.supported). Returns how many."""
