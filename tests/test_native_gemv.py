@@ -203,9 +203,9 @@ def test_q8_0_weights_serve_few_rows_rounded_and_keep_exact_blocks_exact(count_g
 
 @pytest.mark.skipif(not native_head.supported(), reason="int8 products need the native kernels and AVX-512 VNNI")
 def test_int8_weights_serve_every_call_and_step_aside_when_stale() -> None:
-    """use_int8_weights (drafters): calls take the weight's Q8_0 blocks in 8-bit integer products (its own blocks
-    where it is made of them, else its Q8_0 rounding), project_rows a slice of them; a stale copy or output rows off
-    the 16-row groups take the fp32 weight."""
+    """use_int8_weights (drafters): calls take the weight's Q8_0 rounding in 8-bit integer products (its own blocks
+    where it is made of them), project_rows a slice of them; a stale copy or output rows off the 16-row groups take
+    the fp32 weight."""
     layer = _packed_layer(out_features=48, in_features=64)
     assert use_int8_weights(torch.nn.Sequential(layer)) == 1 and layer.half_weight is None and layer.blocks is None
     rounded = weight_blocks.round_to_q8_0(layer.weight)
@@ -221,10 +221,10 @@ def test_int8_weights_serve_every_call_and_step_aside_when_stale() -> None:
         torch.testing.assert_close(layer(x[:3]), F.linear(x[:3], layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     exact = _packed_layer(out_features=32, in_features=64)
     with torch.no_grad():
-        exact.weight.copy_(rounded[:32])
+        exact.weight.copy_(rounded[:32])               # made of Q8_0 blocks: the rounding is those blocks, lossless
     use_int8_weights(torch.nn.Sequential(exact))
     own = weight_blocks.find_blocks(rounded[:32], "q8_0")
-    assert torch.equal(exact.int8.screen, native_head.Int8Weight(own).screen), "its own blocks, not a rounding"
+    assert torch.equal(exact.int8.screen, native_head.Int8Weight(own).screen)
     assert use_int8_weights(torch.nn.Sequential(_packed_layer(out_features=40, in_features=64))) == 0
     assert use_int8_weights(torch.nn.Sequential(_packed_layer(out_features=48, in_features=24))) == 0
 

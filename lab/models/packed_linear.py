@@ -259,8 +259,8 @@ def use_draft_blocks(model: nn.Module, fmt: weight_blocks.BlockFormat = "q8_0", 
 def use_int8_weights(model: nn.Module) -> int:
     """Give every PackedLinear of `model` whose output rows are a multiple of 16 its weight as Q8_0 blocks for 8-bit
     integer products (native_head.Int8Weight: the inputs rounded to int8 per 32 columns, 64 byte products an
-    instruction against an fp32 FMA's 16), which its calls then take (any number of rows): the weight's own
-    Q8_0 blocks where it is exactly such values (a head shared with the target), else the weight rounded to Q8_0.
+    instruction against an fp32 FMA's 16), which its calls then take (any number of rows): the weight rounded to
+    Q8_0, which is exactly its own blocks where it is made of them (a head shared with the target's Q8_0 head).
     Lossy on both sides, so only for drafters, whose every draft the target verifies; needs a CPU with AVX-512 VNNI
     (native_head.supported). Returns how many."""
     count = 0
@@ -269,9 +269,7 @@ def use_int8_weights(model: nn.Module) -> int:
             if (type(module) is not PackedLinear or not _is_cpu_fp32(module.weight)
                     or module.out_features % native_head.GROUP_ROWS or module.in_features % weight_blocks.BLOCK):
                 continue
-            blocks = weight_blocks.find_blocks(module.weight, "q8_0")
-            if blocks is None:
-                blocks = weight_blocks.quantize(module.weight, "q8_0")
+            blocks = weight_blocks.quantize(module.weight, "q8_0")
             module.int8, module._int8_key = native_head.Int8Weight(blocks), module._weight_key()
             module.half_weight = module.blocks = None
             count += 1
