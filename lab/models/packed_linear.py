@@ -277,9 +277,10 @@ def use_int8_weights(model: nn.Module) -> int:
 
 
 def move_streamed_weights_to_huge_pages(model: nn.Module) -> int:
-    """Move what every PackedLinear of `model` streams in its few-row calls (its GGUF blocks, its fp16 copy) into one
-    mapping on 2 MiB pages (lab/huge_pages.py), in module order, i.e. the order a forward reads them. The same
-    values, so outputs are unchanged; a copy made stale by a changed weight stays stale. Returns the bytes moved."""
+    """Move what every PackedLinear of `model` streams in its few-row calls (its GGUF blocks, its fp16 copy, its int8
+    products' screen and scales) into one mapping on 2 MiB pages (lab/huge_pages.py), in module order, i.e. the order
+    a forward reads them. The same values, so outputs are unchanged; a copy made stale by a changed weight stays
+    stale. Returns the bytes moved."""
     slots = [(owner, name) for module in model.modules() if type(module) is PackedLinear
              for owner, names in ((module, ("blocks", "half_weight")), (module.int8, ("screen", "scales")))
              if owner is not None for name in names if getattr(owner, name) is not None]
