@@ -119,9 +119,9 @@ class PackedLinear(nn.Linear):
             # precision is read first: ~0.15 us, half the device check's, and false outside training.
             return F.linear(x, self.weight, self.bias)
         weight = self.weight
-        int8 = self.fresh_int8()
-        if int8 is not None and x.numel() and native_gemv.usable(x, weight, self.bias):
-            return int8.products(x, self.bias)                    # NOTE: lossy: a drafter's own weights only
+        # NOTE: `int8` read first: a target's linears (none) pay one attribute read, not a method call
+        if self.int8 is not None and x.numel() and self.fresh_int8() and native_gemv.usable(x, weight, self.bias):
+            return self.int8.products(x, self.bias)               # NOTE: lossy: a drafter's own weights only
         few_rows = 0 < x.numel() <= NATIVE_MAX_ROWS * self.in_features
         blocks = self.fresh_blocks()
         if (blocks is not None and 0 < x.numel() <= self.block_max_rows * self.in_features
