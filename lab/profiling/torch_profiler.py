@@ -7,6 +7,7 @@ NullProfiler (profiler=none) has the same methods and does nothing.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,11 @@ class TorchProfiler(NullProfiler):
         path = self._run_dir / f"memory_timeline{suffix}.html"
         device = "cuda:0" if self._device.type == "cuda" else "cpu"
         try:
-            prof.export_memory_timeline(str(path), device=device)
+            with warnings.catch_warnings():
+                # NOTE: torch 2.13 deprecates the timeline in favour of torch.cuda.memory's snapshots, which record
+                # CUDA allocations only; on CPU the timeline is still the one view of memory over a step.
+                warnings.filterwarnings("ignore", message=".*export_memory_timeline.*", category=FutureWarning)
+                prof.export_memory_timeline(str(path), device=device)
             self.outputs[f"memory_timeline{suffix}"] = path
         except Exception as exc:  # noqa: BLE001
             (self._run_dir / f"memory_timeline{suffix}.error.txt").write_text(f"{type(exc).__name__}: {exc}")
