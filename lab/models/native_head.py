@@ -360,8 +360,8 @@ class Int8Weight:
     """A drafter linear's weight for 8-bit integer products (`engine.proposer.weights=int8`): its Q8_0 blocks in the
     screen's layout (screen_layout), and `products(x)` = the screen values of x, i.e. x W^T with each input row
     rounded to int8 per block of 32 columns, summed in integers by `vpdpbusd` (64 byte products an instruction
-    against an fp32 FMA's 16), so a drafter's few rows cost about what their bytes take to arrive. Within E (the module docstring) of the exact
-    products: lossy, so only for drafters, whose every draft the target verifies."""
+    against an fp32 FMA's 16), so a drafter's few rows cost about what their bytes take to arrive. Within E (the
+    module docstring) of the exact products: lossy, so only for drafters, whose every draft the target verifies."""
 
     def __init__(self, blocks: torch.Tensor | None = None, screen: torch.Tensor | None = None,
                  scales: torch.Tensor | None = None) -> None:
