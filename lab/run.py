@@ -28,6 +28,7 @@ import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
 from lab import huge_pages
 from lab.config_check import check_call, check_group, check_target_config, check_value, checked_kwargs
 from lab.engines.base import Engine, RunResult
+from lab.engines.interleave import run_interleaved
 from lab.metrics.summary import check_slo, summarize
 from lab.errors import LabError
 from lab.hydra_job import console_script, run_job
@@ -151,16 +152,25 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
                  ) -> tuple[RunResult | None, RunResult]:
     """(baseline, outcome). For engines asked to `measure_speedup`, the same requests also go through the
     engine's baseline (its `baseline_engine`: by default itself with speculation off) in the same process, so
-    ratios are not across noisy runs.
+    ratios are not across noisy runs. How the two take turns is `speedup_turns`:
 
-    With `speedup_rounds` = N > 1 the requests are cut into N consecutive chunks and the two engines take
-    turns chunk by chunk in ABBA order (baseline first on even chunks, speculation first on odd ones):
-    a machine whose speed drifts during the run then slows both sides alike. No chunk holds fewer than
-    `max_concurrency` requests (fewer rounds where needed), so the turns measure the batch size asked for."""
+    - `steps`: step by step, each timed on its own clock (lab/engines/interleave.py): whatever slows the machine
+      slows both alike. Every request must arrive at once.
+    - `chunks`: with `speedup_rounds` = N > 1 the requests are cut into N consecutive chunks and the two engines take
+      turns chunk by chunk in ABBA order (baseline first on even chunks, speculation first on odd ones): a machine
+      whose speed drifts during the run then slows both sides alike at the scale of a chunk. No chunk holds fewer
+      than `max_concurrency` requests (fewer rounds where needed), so the turns measure the batch size asked for.
+    - `auto`: steps where every request arrives at once, else chunks."""
     if not getattr(engine, "measure_speedup", False):
         return None, engine.run(requests, max_concurrency=max_concurrency)
     baseline_engine = engine.baseline_engine(max_concurrency)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
+    turns = getattr(engine, "speedup_turns", "chunks")
+    at_once = all(r.arrival_time == ordered[0].arrival_time for r in ordered)
+    if turns == "steps" or (turns == "auto" and at_once):
+        baseline, outcome = run_interleaved([baseline_engine, engine], [copy.deepcopy(ordered), ordered],
+                                            max_concurrency)
+        return baseline, outcome
     # NOTE: a chunk smaller than max_concurrency would shrink the batch being measured
     most_rounds = len(ordered) // max_concurrency if max_concurrency else len(ordered)
     rounds = max(1, min(int(getattr(engine, "speedup_rounds", 1)), most_rounds))
@@ -172,8 +182,8 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
             first = chunk[0].arrival_time
             for request in chunk:
                 request.arrival_time -= first   # NOTE: each chunk starts at its own t = 0
-        turns = [("baseline", baseline_engine, copy.deepcopy(chunk)), ("outcome", engine, chunk)]
-        for kind, turn_engine, chunk_requests in (turns if i % 2 == 0 else turns[::-1]):
+        pair = [("baseline", baseline_engine, copy.deepcopy(chunk)), ("outcome", engine, chunk)]
+        for kind, turn_engine, chunk_requests in (pair if i % 2 == 0 else pair[::-1]):
             parts[kind].append(turn_engine.run(chunk_requests, max_concurrency=max_concurrency))
     return _merged(parts["baseline"]), _merged(parts["outcome"])
 

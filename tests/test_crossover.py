@@ -59,6 +59,14 @@ def test_crossover_points(crossover: ModuleType) -> None:
     assert not point["holds_ar_after"]
     at_ar = crossover.crossover_point([1, 4, 16, 32], [1.2, 1.1, 0.99, 1.005])   # stops drafting from 16 on
     assert at_ar["holds_ar_after"] and at_ar["status"] == "crosses between 4 and 16, then within 2% of AR"
+    assert at_ar["pays_again_at"] == []
+    # NOTE: a CPU's shape: extra verify rows dear at 4 requests (GGUF blocks), cheap again at 16 (fp32 weights)
+    again = crossover.crossover_point([1, 4, 16, 32], [1.17, 0.82, 1.12, 0.95])
+    assert again["pays_again_at"] == [16] and not again["holds_ar_after"]
+    assert again["status"] == "crosses between 1 and 4, above 1.0 again at 16"
+    late = crossover.crossover_point([1, 4, 16], [0.95, 0.8, 1.05])
+    assert late["never_helps"] and late["status"] == "below 1.0 already at 1, above 1.0 again at 16"
+    assert crossover.crossover_point([1, 4, 16], [0.95, 0.8, 1.01])["pays_again_at"] == [], "within the noise"
 
 
 def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

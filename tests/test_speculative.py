@@ -336,7 +336,7 @@ def test_abba_turns_never_hold_fewer_requests_than_the_concurrency(tiny_runner: 
     from lab.run import run_measured
 
     engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
-                               measure_speedup=True, speedup_rounds=4)
+                               measure_speedup=True, speedup_rounds=4, speedup_turns="chunks")
     run_measured(engine, make_requests(_repetitive_prompts(6, seed=7), 3, ignore_eos=True), max_concurrency=2)
     assert [len(ids) for _, ids in engine_turns] == [2] * 6, \
         "4 rounds asked, 3 taken: a chunk of 1 would measure batch 1, not 2"
@@ -350,7 +350,7 @@ def test_speedup_against_the_ar_engine_runs_ar_first_and_only_at_concurrency_1(
     from lab.run import run_measured, speedup_fields
 
     engine = SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, SchedulerConfig(4, 64), KV,
-                               measure_speedup=True, speedup_baseline="ar")
+                               measure_speedup=True, speedup_baseline="ar", speedup_turns="chunks")
     requests = make_requests(_repetitive_prompts(3, seed=6), 6, ignore_eos=True)
     baseline, outcome = run_measured(engine, requests, max_concurrency=1)
     assert [name for name, _ in engine_turns] == ["ar", "speculative"]

@@ -10,7 +10,7 @@ import hashlib
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +174,16 @@ class Engine(ABC):
         With `max_concurrency` (closed loop) at most that many requests are in flight; a request held
         back is sent when one finishes, and its latency clock starts then, as in vLLM's benchmark.
         """
+        steps = self.serve(requests, max_concurrency)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def serve(self, requests: list[Request], max_concurrency: int | None = None) -> Generator[None, None, RunResult]:
+        """`run` one step at a time: yields after every engine step, returns the RunResult. A caller may do other
+        work between steps (lab/engines/interleave.py runs two engines' steps in turns)."""
         for request in requests:
             self.validate(request)
         pending = deque(sorted(requests, key=lambda r: r.arrival_time))
@@ -202,11 +212,11 @@ class Engine(ABC):
             reserved, used = self.kv_usage()
             self.peak_kv_reserved_bytes = max(self.peak_kv_reserved_bytes, reserved)
             self.peak_kv_used_bytes = max(self.peak_kv_used_bytes, used)
+            yield
         end = max((r.finished_time or start for r in requests), default=start)
         for request in requests:
             self.release_request_state(request.request_id)
         return RunResult(requests, start, end - start)
-
 
 def fail(requests: list[Request], error: str) -> list[Request]:
     for request in requests:

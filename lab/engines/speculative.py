@@ -39,6 +39,7 @@ from lab.spec.schedule import SpecSchedule
 from lab.spec.tree import row_prefixes
 
 SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs first: see baseline_engine
+SPEEDUP_TURNS = frozenset({"auto", "steps", "chunks"})   # how it and the baseline take turns: lab/run.py run_measured
 DRAFT_POLICIES = frozenset({"static", "goodput"})  # how many drafts a step verifies: see __init__
 MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts fit the attention's hidden-key bits
 
@@ -53,7 +54,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  name: str | None = None, seed: int = 0, measure_speedup: bool = False,
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
                  disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
-                 speedup_baseline: str = "engine", grammar_drafts: bool = True, draft_policy: str = "static") -> None:
+                 speedup_baseline: str = "engine", grammar_drafts: bool = True, draft_policy: str = "static",
+                 speedup_turns: str = "auto") -> None:
         """draft_policy: `static` verifies what the proposer drafts (k, or the schedule's k for the batch size, cut by
         the proposer's own confidence gate); `goodput` then keeps, per step, the drafts that maximise the expected
         tokens per second from the step costs and acceptance this engine has measured (lab/spec/goodput.py)."""
@@ -70,6 +72,12 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             raise LabError(f"speedup_rounds must be >= 1, got {speedup_rounds}",
                            "use 1 (baseline run, then speculative run) or N (ABBA turns over N chunks)")
         self.speedup_rounds = speedup_rounds
+        if speedup_turns not in SPEEDUP_TURNS:
+            raise LabError(f"engine.speedup_turns must be one of {sorted(SPEEDUP_TURNS)}, got {speedup_turns!r}",
+                           "use 'steps' (step by step, each engine on its own clock), 'chunks' (ABBA over "
+                           "speedup_rounds chunks of the requests) or 'auto' (steps where every request arrives at "
+                           "once, else chunks)")
+        self.speedup_turns = speedup_turns
         if speedup_baseline not in SPEEDUP_BASELINES:
             raise LabError(f"speedup_baseline must be one of {sorted(SPEEDUP_BASELINES)}, got {speedup_baseline!r}",
                            "use 'engine' (this engine, speculation off) or 'ar' (the batch-1 AR engine)")
