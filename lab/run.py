@@ -165,9 +165,7 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
         return None, engine.run(requests, max_concurrency=max_concurrency)
     baseline_engine = engine.baseline_engine(max_concurrency)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
-    turns = getattr(engine, "speedup_turns", "chunks")
-    at_once = all(r.arrival_time == ordered[0].arrival_time for r in ordered)
-    if turns == "steps" or (turns == "auto" and at_once):
+    if speedup_turns(engine, requests) == "steps":
         baseline, outcome = run_interleaved([baseline_engine, engine], [copy.deepcopy(ordered), ordered],
                                             max_concurrency)
         return baseline, outcome
@@ -188,15 +186,25 @@ def run_measured(engine: Engine, requests: list[Request], max_concurrency: int |
     return _merged(parts["baseline"]), _merged(parts["outcome"])
 
 
+def speedup_turns(engine: Engine, requests: list[Request]) -> str:
+    """How run_measured has `engine` and its baseline take turns over `requests`: 'steps' or 'chunks' (`auto`: steps
+    where every request arrives at once)."""
+    turns = getattr(engine, "speedup_turns", "chunks")
+    if turns != "auto":
+        return turns
+    return "steps" if len({r.arrival_time for r in requests}) <= 1 else "chunks"
+
+
 def _merged(parts: list[RunResult]) -> RunResult:
     """Chunks run one after another as one result: their requests, their summed durations."""
     return RunResult([r for part in parts for r in part.requests], parts[0].start_time,
                      sum(part.duration for part in parts))
 
 
-def speedup_fields(baseline: RunResult | None, outcome: RunResult, baseline_name: str = "engine"
-                   ) -> dict[str, Any]:
-    """spec/speedup_* = baseline / outcome (TPOT, end to end); `baseline_name` says what the baseline was."""
+def speedup_fields(baseline: RunResult | None, outcome: RunResult, baseline_name: str = "engine",
+                   turns: str | None = None) -> dict[str, Any]:
+    """spec/speedup_* = baseline / outcome (TPOT, end to end); `baseline_name` says what the baseline was, `turns` how
+    the two took turns (speedup_turns)."""
     if baseline is None:
         return {}
     base, ours = summarize(baseline.requests, baseline.duration), summarize(outcome.requests, outcome.duration)
@@ -205,7 +213,8 @@ def speedup_fields(baseline: RunResult | None, outcome: RunResult, baseline_name
             "baseline/output_throughput": base["output_throughput"],
             "spec/speedup_tpot": base["mean_tpot_ms"] / max(ours["mean_tpot_ms"], 1e-9),
             "spec/speedup_e2e": base["duration"] / max(ours["duration"], 1e-9),
-            "spec/same_output_as_baseline": same, "spec/speedup_baseline": baseline_name}
+            "spec/same_output_as_baseline": same, "spec/speedup_baseline": baseline_name,
+            **({"spec/speedup_turns": turns} if turns else {})}
 
 
 def profile_fields(profile: dict[str, Any] | None) -> dict[str, Any]:
@@ -263,6 +272,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         profiler.start(run_dir, runner.device)
         engine.step_hook = profiler.step
         try:
+            turns = speedup_turns(engine, requests)   # NOTE: before the run moves the arrival times
             with metrics.sample_utilization(runner.device):
                 baseline, outcome = run_measured(engine, requests, arrival.max_concurrency)
         finally:
@@ -274,7 +284,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             "max_concurrency": arrival.max_concurrency, "num_warmups": len(warmups),
             "engine_supports_arrivals": engine.supports_arrivals,
             **metrics.summarize(outcome, engine, runner.tokenizer), **load,
-            **speedup_fields(baseline, outcome, getattr(engine, "speedup_baseline", "engine")),
+            **speedup_fields(baseline, outcome, getattr(engine, "speedup_baseline", "engine"), turns),
             "peak_memory_mb": peak_rss_mb(), **cuda_memory_mb(runner.device),
             "kv/bytes_per_token": engine.kv_bytes_per_token, "weight_bytes": runner.weight_bytes,
             "weight_blocks_linears": runner.block_linears, "streamed_weight_bytes": runner.streamed_weight_bytes,

@@ -92,19 +92,23 @@ def test_engines_take_turns_by_output_tokens_and_each_keeps_its_own_time(tiny_ru
 def test_run_measured_takes_turns_by_steps_when_every_request_arrives_at_once(tiny_runner: ModelRunner,
                                                                                 monkeypatch: pytest.MonkeyPatch
                                                                                 ) -> None:
-    from lab.run import run_measured, speedup_fields
+    from lab.run import run_measured, speedup_fields, speedup_turns
 
     runs: list[str] = []
     original = Engine.run
     monkeypatch.setattr(Engine, "run", lambda self, *a, **k: runs.append(self.name) or original(self, *a, **k))
     engine = _engine(tiny_runner, measure_speedup=True, speedup_rounds=2)
-    baseline, outcome = run_measured(engine, make_requests(PROMPTS, 6, ignore_eos=True), max_concurrency=2)
+    at_once = make_requests(PROMPTS, 6, ignore_eos=True)
+    turns = speedup_turns(engine, at_once)
+    baseline, outcome = run_measured(engine, at_once, max_concurrency=2)
     assert runs == [], "auto: every request at t = 0, so turns by steps (Engine.serve), no whole runs"
-    fields = speedup_fields(baseline, outcome)
+    fields = speedup_fields(baseline, outcome, "engine", turns)
     assert fields["spec/same_output_as_baseline"] and fields["spec/speedup_tpot"] > 0
+    assert fields["spec/speedup_turns"] == "steps", "results.json says how the ratio was measured"
     spread = make_requests(PROMPTS, 6, ignore_eos=True)
     for i, request in enumerate(spread):
         request.arrival_time = 0.001 * i
+    assert speedup_turns(engine, spread) == "chunks"
     run_measured(engine, spread, max_concurrency=2)
     assert runs == ["speculative_k0", "speculative", "speculative", "speculative_k0"], \
         "auto: arrivals over time, so ABBA turns by chunks"

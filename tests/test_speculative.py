@@ -376,7 +376,7 @@ def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner) -
     plain = {"engine": engine.name, "model_id": "tiny", "peak_memory_mb": 1.0,
              **summarize(outcome.requests, outcome.duration)}
     stats = engine.stats()
-    table = format_table({**plain, **stats, **speedup_fields(baseline, outcome, "ar")})
+    table = format_table({**plain, **stats, **speedup_fields(baseline, outcome, "ar", "steps")})
     section = table.split("Speculative Decoding")[1].splitlines()
     rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in section[1:-1])   # label  value
     assert rows["Drafts / draft tokens / accepted"] == (f"{stats['spec_decode_num_drafts']} / "
@@ -384,7 +384,7 @@ def test_the_printed_table_has_a_speculative_section(tiny_runner: ModelRunner) -
                                                         f"{stats['spec_decode_accepted_tokens']}")
     assert rows["Acceptance length (tau)"] == f"{stats['spec_decode_acceptance_length']:.2f}"
     assert len(rows["Per-position acceptance (%)"].split(", ")) == 2, "one rate per drafted position (k = 2)"
-    assert rows["TPOT speedup over ar"].endswith("x (same output)")
+    assert rows["TPOT speedup over ar"].endswith("x (same output, turns by steps)")
     assert "Speculative Decoding" not in format_table(plain)
 
 

@@ -96,6 +96,7 @@ def speculative_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("Goodput: step cost by rows", ", ".join(f"{n}: {cost:.2f}" for n, cost in costs[:3])))
     if "spec/speedup_tpot" in results:
         same = "same output" if results.get("spec/same_output_as_baseline") else "OUTPUT DIFFERS"
+        turns = f", turns by {results['spec/speedup_turns']}" if "spec/speedup_turns" in results else ""
         rows.append((f"TPOT speedup over {results.get('spec/speedup_baseline', 'engine')}",
-                     f"{results['spec/speedup_tpot']:.3f}x ({same})"))
+                     f"{results['spec/speedup_tpot']:.3f}x ({same}{turns})"))
     return rows
