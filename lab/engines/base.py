@@ -218,6 +218,7 @@ class Engine(ABC):
             self.release_request_state(request.request_id)
         return RunResult(requests, start, end - start)
 
+
 def fail(requests: list[Request], error: str) -> list[Request]:
     for request in requests:
         request.finish(RequestStatus.FINISHED_ABORTED, error)
