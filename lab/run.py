@@ -28,7 +28,7 @@ import lab.resolvers  # noqa: F401 - registers ${max:...} before Hydra composes
 from lab import huge_pages
 from lab.config_check import check_call, check_group, check_target_config, check_value, checked_kwargs
 from lab.engines.base import Engine, RunResult
-from lab.engines.interleave import run_interleaved
+from lab.engines.interleave import arrive_at_once, run_interleaved
 from lab.metrics.summary import check_slo, summarize
 from lab.errors import LabError
 from lab.hydra_job import console_script, run_job
@@ -192,7 +192,7 @@ def speedup_turns(engine: Engine, requests: list[Request]) -> str:
     turns = getattr(engine, "speedup_turns", "chunks")
     if turns != "auto":
         return turns
-    return "steps" if len({r.arrival_time for r in requests}) <= 1 else "chunks"
+    return "steps" if arrive_at_once(requests) else "chunks"
 
 
 def _merged(parts: list[RunResult]) -> RunResult:

@@ -68,6 +68,11 @@ class OwnClock:
         return RunResult(result.requests, start, own(result.start_time + result.duration) - start)
 
 
+def arrive_at_once(requests: list[Request]) -> bool:
+    """Whether every request arrives at the same time (a closed loop or request_rate=inf): what turns by steps need."""
+    return len({r.arrival_time for r in requests}) <= 1
+
+
 def check_interleavable(engines: list[Engine], request_sets: list[list[Request]]) -> None:
     """Refuse what turns by steps cannot measure: arrivals over time, and engines with a run loop of their own."""
     for engine in engines:
@@ -75,7 +80,7 @@ def check_interleavable(engines: list[Engine], request_sets: list[list[Request]]
             raise LabError(f"engine {engine.name} has a run loop of its own, so it cannot take turns step by step",
                            "set engine.speedup_turns=chunks")
     for requests in request_sets:
-        if any(r.arrival_time != requests[0].arrival_time for r in requests):
+        if not arrive_at_once(requests):
             raise LabError("engine.speedup_turns=steps needs every request to arrive at once (a closed loop or "
                            "workload.request_rate=inf), but this workload's requests arrive over time",
                            "set engine.speedup_turns=chunks (or auto) for arrivals over time")
