@@ -33,7 +33,7 @@ from lab.sweep_callback import job_failure  # noqa: E402
 
 METHODS = {"speculative": "vanilla (suffix)", "eagle": "EAGLE", "dflash": "DFlash",
            "dflash_adaptive": "DFlash by batch size", "dflash_goodput": "DFlash, goodput policy",
-           "dflash_graft": "suffix chain on a DFlash tree"}
+           "dflash_graft": "suffix chain on a DFlash tree", "suffix_dflash_goodput": "suffix then DFlash, goodput"}
 COLUMNS = {"workload": "dataset", "method": "method", "concurrency": "conc.", "prompt_len": "mean prompt",
            "baseline_tpot_ms": "AR TPOT (ms)", "tpot_ms": "TPOT (ms)", "speedup_tpot": "speedup TPOT",
            "speedup_e2e": "speedup e2e", "acceptance_length": "tau", "tokens_per_forward": "tok/fwd",

@@ -268,6 +268,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             engine.run(warmups)
             engine.reset_caches()   # NOTE: a warm-up copies a measured request: its cached prefix would serve it
             engine.reset_stats()
+        calibrated = engine.calibrate(arrival.max_concurrency or len(requests))
+        if calibrated:
+            log.info(f"engine {engine.name} calibrated steps of {min(calibrated)}-{max(calibrated)} rows: "
+                     + ", ".join(f"{rows}: {s * 1e3:.1f} ms" for rows, s in calibrated.items()))
         profiler = instantiate(cfg.profiler)
         profiler.start(run_dir, runner.device)
         engine.step_hook = profiler.step

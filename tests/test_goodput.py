@@ -16,7 +16,8 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.spec.goodput import AcceptanceModel, GoodputPolicy, StepCostModel, choose
+from lab.spec.goodput import (AcceptanceModel, GoodputPolicy, StepCostModel, calibrated_prior, calibration_rows,
+                               choose)
 from lab.spec.ngram_config import NgramProposerConfig
 from tests.conftest import compose_cfg
 from tests.helpers import make_requests
@@ -45,6 +46,29 @@ def test_step_costs_start_at_a_median_and_unmeasured_row_counts_look_free() -> N
         costs.observe(1, 0.012)
     assert costs.cost(3) == pytest.approx(0.012)        # stale: tried again
     assert StepCostModel(first_samples=1).cost(4) is None
+
+
+def test_calibrated_prices_stand_for_unmeasured_counts_scaled_as_the_measured_compare() -> None:
+    costs = StepCostModel(first_samples=1, stale_after=5, prior={1: 0.010, 2: 0.015, 4: 0.030})
+    assert costs.measured_up_to(1) and costs.cost(3) == pytest.approx(0.0225) and costs.cost(9) == pytest.approx(0.030)
+    costs.observe(1, 0.020)   # NOTE: the machine (or the context) is twice as slow as when calibrated
+    assert costs.cost(1) == pytest.approx(0.020) and costs.cost(4) == pytest.approx(0.060)
+    costs.observe(4, 0.040)   # NOTE: one factor from both: (0.020 + 0.040) / (0.010 + 0.030)
+    assert costs.cost(2) == pytest.approx(0.0225) and costs.cost(3) == pytest.approx((0.0225 + 0.040) / 2)
+    for _ in range(10):
+        costs.observe(1, 0.020)
+    assert costs.cost(4) == pytest.approx(0.060)   # NOTE: 4's measurement went stale; its prior never does
+
+
+def test_a_calibration_never_prices_more_rows_below_fewer() -> None:
+    timings = {1: [0.5, 0.010, 0.011], 2: [0.016], 3: [0.012, 0.014, 0.013], 4: [0.020]}   # NOTE: 3 timed low
+    assert calibrated_prior(timings) == pytest.approx({1: 0.011, 2: 0.0145, 3: 0.0145, 4: 0.020})
+
+
+def test_calibration_rows_are_dense_where_steps_are_small_and_end_at_the_most() -> None:
+    assert calibration_rows(1) == [1] and calibration_rows(3) == [1, 2, 3]
+    assert calibration_rows(40) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40]
+    assert calibration_rows(50)[-3:] == [40, 48, 50]
 
 
 def test_acceptance_starts_at_the_confidence_and_learns_per_position_and_bin() -> None:
@@ -169,3 +193,62 @@ def test_drafting_pauses_after_a_window_that_lost_and_resumes_after_one_that_pai
     assert batch.should_draft(4) and not batch.should_draft(2)   # a smaller batch: its plain step measured first
     batch.observe_verify(32, 64, 40)
     assert batch.window_requests == 32 and batch.window_plain_s == pytest.approx(40 * 0.010 / 32)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_calibration_times_every_rung_then_leaves_the_engine_as_it_was(max_num_seqs: int, tiny_runner: ModelRunner,
+                                                                       tiny_source) -> None:
+    prompts = _repetitive_prompts(4, seed=2)
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(
+        make_requests(prompts, 12, ignore_eos=True)).requests]
+    engine = SpeculativeEngine(tiny_runner, _proposers(tiny_source)["dflash"], num_spec_tokens=3,
+                               scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64),
+                               kv_cache=KV, draft_policy="goodput")
+    calibrated = engine.calibrate(8)   # NOTE: more than the scheduler runs at once: its max_num_seqs caps the batch
+    assert list(calibrated) == calibration_rows(max_num_seqs * 4) and all(s > 0 for s in calibrated.values())
+    assert engine.goodput.costs.prior == calibrated and not engine.goodput.costs.seconds
+    assert engine.kv_manager.num_held_blocks == 0 and not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats["spec_decode_num_drafts"] == 0 and not engine.phases.steps   # NOTE: its steps are not counted
+    result = engine.run(make_requests(prompts, 12, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected
+    assert engine.goodput.stats()["spec/goodput_paused_share"] == 0   # NOTE: priced at once: no plain step first
+    for off in (SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, kv_cache=KV),
+                SpeculativeEngine(tiny_runner, NgramProposerConfig(), 2, kv_cache=KV, draft_policy="goodput",
+                                  goodput_calibration=False)):
+        assert off.calibrate(4) == {} and not off.phases.steps
+
+
+def test_a_run_calibrates_the_policy_for_its_concurrency_before_it_is_measured(tmp_path) -> None:
+    from lab.run import run
+
+    cfg = compose_cfg(["model=tiny", "logger=none", "engine=dflash_goodput", "engine.proposer.checkpoint=null",
+                       "engine.measure_speedup=true", "workload.num_prompts=3", "workload.max_concurrency=2",
+                       "workload.input_len=16", "workload.output_len=6", "workload.num_warmups=0",
+                       f"hydra.run.dir={tmp_path}"])
+    results = run(cfg, tmp_path)
+    assert results["spec/goodput_calibrated_max_rows"] == 2 * (1 + 2)   # NOTE: 2 requests with 2 drafts each
+    assert results["spec/same_output_as_baseline"] and results["spec/goodput_paused_share"] == 0
+    off = compose_cfg(["model=tiny", "engine=dflash_goodput", "engine.goodput_calibration=false"])
+    assert not off.engine.goodput_calibration
+
+
+def test_the_crossover_sweeps_suffix_decoding_then_dflash_under_the_calibrated_policy(tmp_path) -> None:
+    cfg = compose_cfg(["+experiment=crossover", "engine=suffix_dflash_goodput"], run_dir=tmp_path)
+    assert cfg.engine.name == "suffix_dflash_goodput" and cfg.engine.draft_policy == "goodput"
+    assert cfg.engine.goodput_calibration and cfg.engine.proposer._target_.endswith("CascadeProposerConfig")
+    assert "suffix_dflash_goodput" in cfg.hydra.sweeper.params.engine.split(",")
+
+
+def test_a_server_engine_is_calibrated_as_it_is_built() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lab.serve.cli import EngineFactory
+    from tests.conftest import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="serve", overrides=["model=tiny", "engine=dflash_goodput",
+                                                      "engine.proposer.checkpoint=null",
+                                                      "engine.scheduler.max_num_seqs=2"])
+    engine = EngineFactory.from_cfg(cfg)()
+    assert max(engine.goodput.costs.prior) == 2 * (1 + 2) and not engine.has_unfinished_requests()

@@ -77,6 +77,12 @@ class Engine(ABC):
         self.phases = PhaseTracker(self.runner.device, self.phases.track_memory)
         self.peak_kv_reserved_bytes = self.peak_kv_used_bytes = 0
 
+    def calibrate(self, max_batch: int) -> dict[int, float]:
+        """Measure, before serving up to `max_batch` requests at once, what the engine prices by this machine (the
+        goodput policy: a step's seconds by row count); caches and counters are left as if it had not run. -> what
+        it measured; {} for engines that price nothing."""
+        return {}
+
     def stats(self) -> dict[str, float]:
         """Engine-specific numbers merged into results.json (phases, KV bytes; subclasses add more)."""
         return {**self.phases.summary(), "kv/peak_reserved_bytes": self.peak_kv_reserved_bytes,

@@ -25,7 +25,7 @@ from lab.engines.continuous import ContinuousBatchingEngine, StepBatch
 from lab.errors import LabError
 from lab.kv_cache import KVCacheConfig, PagedKVCacheConfig
 from lab.kv_cache.tree_mask import MAX_TREE_TOKENS
-from lab.request import Request
+from lab.request import Request, SamplingParams
 from lab.runner import ModelRunner
 from lab.runner.cuda_graphs import CudaGraphConfig
 from lab.sample.logits_processors import apply_logits_processors_to_drafts
@@ -33,7 +33,7 @@ from lab.sample.rejection import RejectionSampler
 from lab.sample.sampler import GreedyRows
 from lab.sched import SchedulerConfig, SchedulerOutput
 from lab.spec.counters import SpecCounters
-from lab.spec.goodput import GoodputPolicy
+from lab.spec.goodput import GoodputPolicy, StepCostModel, calibrated_prior, calibration_rows
 from lab.spec.proposer import Draft, ProposerConfig, check_num_spec_tokens
 from lab.spec.schedule import SpecSchedule
 from lab.spec.tree import row_prefixes
@@ -42,6 +42,9 @@ SPEEDUP_BASELINES = frozenset({"engine", "ar"})   # what `measure_speedup` runs 
 SPEEDUP_TURNS = frozenset({"auto", "steps", "chunks"})   # how it and the baseline take turns: lab/run.py run_measured
 DRAFT_POLICIES = frozenset({"static", "goodput"})  # how many drafts a step verifies: see __init__
 MAX_TREE_DRAFTS = MAX_TREE_TOKENS - 1                # the root and its drafts fit the attention's hidden-key bits
+CALIBRATION_MAX_ROWS = 256   # the most rows engine.goodput_calibration times (past them the policy explores)
+CALIBRATION_PROMPT_LEN = 16  # its placeholder requests' prompts
+CALIBRATION_SAMPLES = 5      # steps timed per row count (their median)
 
 
 class SpeculativeEngine(ContinuousBatchingEngine):
@@ -55,10 +58,11 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                  speedup_rounds: int = 1, num_spec_tokens_by_batch_size: Sequence[Sequence[int]] | None = None,
                  disable_by_batch_size: int | None = None, cuda_graphs: CudaGraphConfig | None = None,
                  speedup_baseline: str = "engine", grammar_drafts: bool = True, draft_policy: str = "static",
-                 speedup_turns: str = "auto") -> None:
+                 speedup_turns: str = "auto", goodput_calibration: bool = True) -> None:
         """draft_policy: `static` verifies what the proposer drafts (k, or the schedule's k for the batch size, cut by
         the proposer's own confidence gate); `goodput` then keeps, per step, the drafts that maximise the expected
-        tokens per second from the step costs and acceptance this engine has measured (lab/spec/goodput.py)."""
+        tokens per second from the step costs and acceptance this engine has measured (lab/spec/goodput.py).
+        goodput_calibration: under `goodput`, `calibrate` times verify steps before serving (else it explores)."""
         self._configs = (proposer, scheduler, kv_cache, cuda_graphs)
         # NOTE: prefix caching stays on for feature-reading drafters too: their features live in the KV blocks
         # (lab/spec/features.py), so a cached prompt block brings its features along. The KV memory budget pays
@@ -93,11 +97,13 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.schedule = SpecSchedule.build(num_spec_tokens, num_spec_tokens_by_batch_size, disable_by_batch_size)
         self.proposer = proposer.build(runner, self.kv_manager)
         self.goodput = GoodputPolicy() if draft_policy == "goodput" and num_spec_tokens else None
+        self.goodput_calibration = goodput_calibration
         if self.goodput is not None:
             _measure_confidence(self.proposer)
         check_num_spec_tokens(self.proposer, num_spec_tokens, "engine.num_spec_tokens", "this proposer", lowest=1)
         tree_drafts = getattr(self.proposer, "max_drafts", None)   # NOTE: proposers that draft trees
         max_drafts = tree_drafts(num_spec_tokens) if tree_drafts is not None else num_spec_tokens
+        self.max_drafts = max_drafts   # the most draft rows one request's verify step holds
         if max_drafts > MAX_TREE_DRAFTS:
             raise LabError(f"a draft of up to {max_drafts} tokens (num_spec_tokens={num_spec_tokens} and the "
                            f"proposer's tree_width or tree_nodes) is more than a verify step's tree holds "
@@ -138,6 +144,55 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                            f"{max_concurrency}: its TPOT would be a batch-1 figure against a batched one",
                            "set workload.max_concurrency=1, or engine.speedup_baseline=engine for batches")
         return AREngine(self.runner, use_kv_cache=True, seed=self.seed)
+
+    def calibrate(self, max_batch: int) -> dict[int, float]:
+        """Under the goodput policy (engine.goodput_calibration): time verify steps at a ladder of row counts
+        (calibration_rows) up to `max_batch` requests' worth of drafts, before serving, on placeholder requests that
+        are then aborted; the batch grows by powers of two so every count holds a draft row or more per request.
+        The policy then starts from these prices (StepCostModel.prior: each count's median of CALIBRATION_SAMPLES
+        steps, never falling with the rows) instead of exploring them, which a short run cannot afford. Caches and
+        counters are reset afterwards. -> the calibrated seconds by row count ({} where there is nothing to do)."""
+        if self.goodput is None or not self.goodput_calibration or self.has_unfinished_requests():
+            return {}
+        batch = max(1, min(max_batch, self.scheduler.config.max_num_seqs))
+        sizes = sorted({2 ** i for i in range(batch.bit_length()) if 2 ** i < batch} | {batch})
+        ladder = calibration_rows(min(batch * (1 + self.max_drafts), CALIBRATION_MAX_ROWS))
+        prompt = [(1000 + i) % self.runner.vocab_size for i in range(CALIBRATION_PROMPT_LEN)]
+        # NOTE: what every step could add, within the context and with the whole batch in the cache at once
+        max_tokens = max(1, min(self.runner.max_model_len, self.kv_manager.num_blocks * self.kv_manager.block_size
+                                // batch) - CALIBRATION_PROMPT_LEN)
+        max_tokens = min(max_tokens, len(ladder) * CALIBRATION_SAMPLES * (1 + self.max_drafts) + 1)
+        placeholders: list[Request] = []
+        timings: dict[int, list[float]] = {}
+        try:
+            for rows in ladder:
+                if any(r.is_finished for r in placeholders):
+                    break   # NOTE: a cache too small for the ladder: the counts past here are explored while serving
+                size = max(s for s in sizes if s <= rows)
+                while len(placeholders) < size:
+                    placeholders.append(Request(f"calibration-{len(placeholders)}", list(prompt),
+                                                SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+                    self.add_request(placeholders[-1])
+                while any(r.num_computed_tokens < r.num_tokens - 1 for r in placeholders):
+                    ContinuousBatchingEngine.step(self)   # NOTE: their prefill, not timed
+                drafts = rows - size
+                for _ in range(CALIBRATION_SAMPLES):
+                    if any(r.is_finished for r in placeholders):
+                        break
+                    for i, request in enumerate(placeholders):
+                        # NOTE: drafts of its last token: whether the verify accepts them does not change the rows
+                        request.spec_token_ids = [request.all_token_ids[-1]] * (drafts // size + (i < drafts % size))
+                    decode_s = self.phases.seconds["decode"]
+                    ContinuousBatchingEngine.step(self)   # NOTE: a verify step as served, without the draft after it
+                    timings.setdefault(rows, []).append(self.phases.seconds["decode"] - decode_s)
+        finally:
+            for request in placeholders:
+                self.abort_request(request.request_id, "calibration placeholder")
+                self.release_request_state(request.request_id)
+            self.goodput.costs = StepCostModel(prior=calibrated_prior(timings))
+            self.reset_caches()
+            self.reset_stats()
+        return dict(self.goodput.costs.prior)
 
     def _reset_spec_counters(self) -> None:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0

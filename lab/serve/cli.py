@@ -49,7 +49,13 @@ class EngineFactory:
             from lab.parallel import shard_runner
 
             shard_runner(runner)
-        return instantiate(cfg.engine, runner=runner, seed=int(cfg.seed))
+        engine = instantiate(cfg.engine, runner=runner, seed=int(cfg.seed))
+        if not cfg.get("tensor_parallel"):
+            # NOTE: priced up to as many requests as its scheduler runs at once (the goodput policy; a no-op for the
+            # rest). Not under tensor parallelism: every rank would price its own timings, and the ranks' steps
+            # must stay the same (rank 0's commands replayed).
+            engine.calibrate(max_batch=1 << 30)
+        return engine
 
     @classmethod
     def from_cfg(cls, cfg: DictConfig) -> "EngineFactory":

@@ -11,6 +11,10 @@ vLLM's `disable_by_batch_size`) fits one of these; the policy learns them all wh
   moving average per row count (started at the median of its first three), interpolated between the counts
   measured, so a batch of 32 whose verify steps hold 33-96 rows learns them from a few. Past the largest count
   measured (recently), rows look free, so they get tried: the policy explores its way to the real prices.
+  Calibrated before serving (`engine.goodput_calibration`, SpeculativeEngine.calibrate: verify steps timed at a
+  ladder of row counts up to the largest batch it will serve), those prices are known from the first step: they
+  stand for every count not measured recently, scaled by how the ones that were compare with them (the machine's
+  load, longer contexts), so a short run spends none of itself exploring.
 - **AcceptanceModel**: the chance a draft is accepted given the drafts before it were, by position and, for
   drafters that report one (EAGLE, DFlash), by their confidence (the drafted distribution's largest probability)
   in tenths; a Beta prior centred on the confidence itself until the counts speak (on 1.0 without one:
@@ -47,6 +51,8 @@ class StepCostModel:
     samples: dict[int, list[float]] = field(default_factory=dict)   # rows -> its first measurements
     last_seen: dict[int, int] = field(default_factory=dict)    # rows -> the step it was last measured at
     num_steps: int = 0
+    prior: dict[int, float] = field(default_factory=dict)      # rows -> seconds calibrated before serving (increasing
+                                                               #   rows); never stale
 
     def observe(self, rows: int, seconds: float) -> None:
         self.num_steps += 1
@@ -61,22 +67,55 @@ class StepCostModel:
             del self.samples[rows]
 
     def estimates(self) -> dict[int, float]:
-        """Row count -> its estimate, for the counts measured in the last `stale_after` steps, increasing."""
+        """Row count -> its estimate, increasing: the counts measured in the last `stale_after` steps, and the
+        calibrated `prior` for the others, scaled by how the measured compare with it (their sum over the prior's at
+        the same counts: one factor, so one noisy count does not move its neighbours alone)."""
         table = {**{rows: sorted(first)[(len(first) - 1) // 2] for rows, first in self.samples.items()},
                  **self.seconds}
         recent = self.num_steps - self.stale_after
-        return {rows: table[rows] for rows in sorted(table) if self.last_seen[rows] >= recent}
+        measured = {rows: table[rows] for rows in table if self.last_seen[rows] >= recent}
+        if not self.prior:
+            return {rows: measured[rows] for rows in sorted(measured)}
+        scale = (sum(measured.values()) / sum(interpolate(self.prior, rows) for rows in measured)) if measured else 1.0
+        merged = {**{rows: seconds * scale for rows, seconds in self.prior.items()}, **measured}
+        return {rows: merged[rows] for rows in sorted(merged)}
 
     def measured_up_to(self, rows: int) -> bool:
-        """Whether a step of at most `rows` rows has been measured (recently)."""
+        """Whether a step of at most `rows` rows has been measured (recently) or calibrated."""
         return any(measured <= rows for measured in self.estimates())
 
     def cost(self, rows: int) -> float | None:
         """A step of `rows` query rows in seconds: measured; else interpolated between the nearest measured counts
         around it; past the largest measured, that one's (optimistic: more rows look free until tried); below the
-        smallest, the smallest's. Counts not measured for `stale_after` steps are left out (so tried again). None
-        before any count is measured."""
+        smallest, the smallest's. Counts not measured for `stale_after` steps are left out (so tried again) unless
+        calibrated. None before any count is measured or calibrated."""
         return interpolate(self.estimates(), rows)
+
+
+def calibration_rows(max_rows: int) -> list[int]:
+    """The row counts a calibration times, increasing: every count up to 8, then ~4 a doubling (10, 12, 14, 16, 20,
+    24, 28, 32, 40, ...), and `max_rows`. Interpolation fills the counts between (a step's cost is close to linear in
+    its rows between a few of them)."""
+    rows, counts = 1, []
+    while rows < max_rows:
+        counts.append(rows)
+        rows += max(1, 2 ** (rows.bit_length() - 3))
+    return counts + [max_rows]
+
+
+def calibrated_prior(samples: dict[int, list[float]]) -> dict[int, float]:
+    """A calibration's timings (row count -> a step's seconds, a few each) -> StepCostModel.prior: each count's median,
+    then the closest sequence that never falls with the rows (isotonic regression: runs of counts that fall are
+    pooled to their mean), since a count that timed low would make its extra rows look free to `choose`."""
+    rows = sorted(samples)
+    pools: list[list[float]] = []   # [mean, number of counts]
+    for count in rows:
+        pools.append([sorted(samples[count])[len(samples[count]) // 2], 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (high, n_high), (low, n_low) = pools.pop(-2), pools.pop()
+            pools.append([(high * n_high + low * n_low) / (n_high + n_low), n_high + n_low])
+    means = [mean for mean, n in pools for _ in range(int(n))]
+    return dict(zip(rows, means))
 
 
 def interpolate(table: dict[int, float], rows: int) -> float | None:
@@ -205,7 +244,8 @@ class GoodputPolicy:
 
     def stats(self) -> dict[str, float]:
         stats = {"spec/goodput_kept_draft_share": self.num_drafts_kept / max(1, self.num_drafts_offered),
-                 "spec/goodput_paused_share": self.num_steps_paused / max(1, self.num_steps)}
+                 "spec/goodput_paused_share": self.num_steps_paused / max(1, self.num_steps),
+                 "spec/goodput_calibrated_max_rows": max(self.costs.prior, default=0)}
         measured = self.costs.estimates()
         for rows in list(measured)[:8]:   # NOTE: relative to the fewest rows measured (a plain batch-1 step: 1 row)
             stats[f"spec/goodput_step_cost/{rows}_rows"] = measured[rows] / next(iter(measured.values()))
