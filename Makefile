@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The main job: the speculation crossover sweep (AR vs suffix decoding vs EAGLE vs DFlash vs DFlash drafting by
-# batch size, concurrency 1..32, MT-Bench and GSM8K), then its analysis (outputs/multirun/<day>/crossover_<time>/crossover/). ARGS add overrides.
+# batch size vs the graft vs suffix decoding then DFlash under the goodput policy, concurrency 1..32, MT-Bench and
+# GSM8K), then its analysis (outputs/multirun/<day>/crossover_<time>/crossover/). ARGS add overrides.
 run: setup
 	$(BIN)/python -m lab.run -m +experiment=crossover $(ARGS)
 
