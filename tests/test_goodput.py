@@ -16,8 +16,8 @@ from lab.sched import SchedulerConfig
 from lab.spec.dflash import DFlashProposerConfig
 from lab.spec.draft_model import DraftModelProposerConfig
 from lab.spec.eagle import EagleProposerConfig
-from lab.spec.goodput import (AcceptanceModel, GoodputPolicy, StepCostModel, calibrated_prior, calibration_rows,
-                               choose)
+from lab.spec.goodput import (AcceptanceModel, GoodputPolicy, StepCostModel, Verdict, calibrated_prior,
+                               calibration_rows, choose)
 from lab.spec.ngram_config import NgramProposerConfig
 from tests.conftest import compose_cfg
 from tests.helpers import make_requests
@@ -175,7 +175,7 @@ def test_the_printed_table_shows_what_the_policy_verified(tiny_runner: ModelRunn
 
 
 def test_drafting_pauses_after_a_window_that_lost_and_resumes_after_one_that_paid() -> None:
-    policy = GoodputPolicy(StepCostModel(first_samples=1), window=4, pause=3)
+    policy = GoodputPolicy(StepCostModel(first_samples=1), drafting=Verdict(window=4, pause=3))
     assert not policy.should_draft(1)   # NOTE: nothing measured: a plain step first, the price drafts are weighed on
     policy.costs.observe(1, 0.010)
     policy.costs.observe(2, 0.020)
@@ -188,11 +188,44 @@ def test_drafting_pauses_after_a_window_that_lost_and_resumes_after_one_that_pai
         policy.observe_verify(1, 2, 2.5)
         assert policy.should_draft(1)
     assert policy.stats()["spec/goodput_paused_share"] == pytest.approx(3 / 12)
-    batch = GoodputPolicy(StepCostModel(first_samples=1), window=64)
+    batch = GoodputPolicy(StepCostModel(first_samples=1))
     batch.costs.observe(4, 0.010)
     assert batch.should_draft(4) and not batch.should_draft(2)   # a smaller batch: its plain step measured first
-    batch.observe_verify(32, 64, 40)
-    assert batch.window_requests == 32 and batch.window_plain_s == pytest.approx(40 * 0.010 / 32)
+    batch.observe_verify(32, 64, 40)   # NOTE: 8 tokens more than a plain step's 32
+    assert batch.drafting.requests == 32 and batch.drafting.saved_s == pytest.approx(8 * 0.010 / 32)
+
+
+def test_a_verdict_stops_a_clear_loss_early_and_judges_one_near_the_line_on_its_window() -> None:
+    clear = Verdict(window=8, pause=5, early=2)
+    clear.observe(1, 2, 0.003, 0.001)      # NOTE: 3x what it saved after 2 request-steps
+    assert clear.paused_until == 1 + 5 and clear.requests == 0
+    near = Verdict(window=8, pause=5, early=2)
+    near.observe(1, 2, 0.0012, 0.001)      # NOTE: 1.2x: the whole window decides
+    assert near.paused_until == 0 and near.requests == 2
+    near.observe(2, 6, 0.0, 0.001)         # NOTE: 1.2 ms spent against 2 ms saved over the window: paid
+    assert near.paused_until == 0 and near.requests == 0
+
+
+def test_a_cascades_fallback_pauses_where_its_drafts_do_not_pay_for_their_draft_and_rows() -> None:
+    policy = GoodputPolicy(StepCostModel(prior={4: 0.020, 5: 0.023, 6: 0.026}), fallback=Verdict(window=4, pause=3))
+    for _ in range(2):   # NOTE: 2 of 4 requests drafted by the fallback, 1 row kept, never accepted: 3 ms + 1 ms each
+        assert policy.should_draft(4) and policy.should_draft_fallback()
+        policy.observe_fallback(4, 5, 2, 1, 0, 0.001)
+    assert policy.fallback.paused_until == 2 + 3
+    assert [policy.should_draft(4) and policy.should_draft_fallback() for _ in range(3)] == [False, False, True]
+    assert policy.stats()["spec/goodput_fallback_paused_share"] == pytest.approx(2 / 5)
+    assert policy.fallback_resumes   # NOTE: its first step back reads the context it skipped: left out of the verdict
+    policy.observe_fallback(4, 5, 2, 1, 0, 0.030)
+    assert policy.fallback.requests == 0
+    for _ in range(2):   # NOTE: 2 rows kept, both accepted: 2 x 5 ms of plain steps for 6 ms of rows and 1 ms
+        assert policy.should_draft(4) and policy.should_draft_fallback() and not policy.fallback_resumes
+        policy.observe_fallback(4, 6, 2, 2, 2, 0.001)
+    assert policy.fallback.paused_until == 5 and policy.should_draft(4) and policy.should_draft_fallback()
+    policy.observe_fallback(4, 6, 0, 0, 0, 0.0)   # NOTE: a step it drafted nothing for: no verdict on it
+    assert policy.fallback.requests == 0
+    policy.drafting.paused_until = policy.num_steps + 2   # NOTE: a pause of all drafting is one of the fallback's too
+    assert not policy.should_draft(4) and policy.should_draft(4) and policy.should_draft_fallback()
+    assert policy.fallback_resumes
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 4])
@@ -252,3 +285,32 @@ def test_a_server_engine_is_calibrated_as_it_is_built() -> None:
                                                       "engine.scheduler.max_num_seqs=2"])
     engine = EngineFactory.from_cfg(cfg)()
     assert max(engine.goodput.costs.prior) == 2 * (1 + 2) and not engine.has_unfinished_requests()
+
+
+def test_a_cascade_under_the_policy_stops_calling_a_fallback_that_does_not_pay(tiny_runner: ModelRunner) -> None:
+    from lab.spec.cascade import CascadeProposerConfig
+    from lab.spec.suffix import SuffixProposerConfig
+
+    prompts = _repetitive_prompts(3, seed=4)
+    expected = [r.output_token_ids for r in AREngine(tiny_runner).run(
+        make_requests(prompts, 24, ignore_eos=True)).requests]
+    cascade = CascadeProposerConfig(SuffixProposerConfig(), DFlashProposerConfig(checkpoint=None,
+                                                                                 drafter={"block_size": 4}))
+    engine = SpeculativeEngine(tiny_runner, cascade, num_spec_tokens=3, scheduler=SchedulerConfig(3, 64), kv_cache=KV,
+                               draft_policy="goodput")
+    assert engine.proposer.can_pause_fallback
+    # NOTE: every row as dear as a step, and a verdict every 2 fallback drafts: the random drafter's are never worth it
+    engine.goodput.costs = StepCostModel(prior={rows: 0.01 * rows for rows in range(1, 16)})
+    engine.goodput.fallback = Verdict(window=2, pause=10**6)
+    result = engine.run(make_requests(prompts, 24, ignore_eos=True))
+    assert [r.output_token_ids for r in result.requests] == expected
+    stats = engine.stats()
+    assert stats["spec/fallback_drafts"] > 0 and engine.goodput.fallback.paused_until > 0
+    assert stats["spec/goodput_fallback_paused_share"] > 0.5 and engine.proposer.fallback_paused
+    from lab.metrics.report import format_table
+    from lab.metrics.summary import summarize
+
+    table = format_table({"engine": engine.name, "model_id": "tiny", "peak_memory_mb": 1.0,
+                          **summarize(result.requests, result.duration), **stats})
+    shown = f"{100 * stats['spec/goodput_fallback_paused_share']:.1f}"
+    assert re.search(r"Goodput: steps without the fallback \(%\)\s+" + re.escape(shown), table)

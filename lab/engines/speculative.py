@@ -15,6 +15,7 @@ before it counted; under a grammar, the tokens it forces are drafted (`grammar_d
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -119,6 +120,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.rejection_sampler = RejectionSampler()
         self._drafts: dict[str, Draft] = {}
         self._drafted_last_step = False   # whether the next step verifies a draft phase's output (goodput policy)
+        self._fallback_step = FallbackStep()   # what a cascade's fallback drafted for the next step (goodput policy)
         self._reset_spec_counters()
 
     @property
@@ -254,6 +256,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
                 if self.goodput is not None and spec and draft is not None and not draft.forced:
                     confidence = draft.confidence or [None] * len(spec)
                     self.goodput.acceptance.observe(confidence[:len(spec)], result.num_accepted)
+            if request.request_id in self._fallback_step.request_ids and draft is not None and not draft.forced:
+                self._fallback_step.rows += len(spec)
+                self._fallback_step.accepted += result.num_accepted
             sampled[request.request_id] = result.token_ids
             self.num_emitted_tokens += len(result.token_ids)
             if spec:
@@ -283,12 +288,16 @@ class SpeculativeEngine(ContinuousBatchingEngine):
 
     # -- draft -----------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
+        start, timed_s = time.perf_counter(), sum(self.phases.seconds.values())
         finished = super().step()
         for request in finished:
             self.proposer.free(request.request_id)
             self._drafts.pop(request.request_id, None)
         if self.num_spec_tokens:
             self._propose()
+        if self.goodput is not None:   # NOTE: what the step spent outside its timed phases (goodput.step_overhead_s)
+            self.goodput.observe_step_overhead(time.perf_counter() - start - (sum(self.phases.seconds.values())
+                                                                              - timed_s))
         return finished
 
     def _propose(self) -> None:
@@ -302,6 +311,9 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             # the batch shrinks; the skipped tokens are caught up like a cascade's fallback's.
             self.num_steps_not_drafted += bool(self.scheduler.running)
             return
+        pausable = self.goodput is not None and getattr(self.proposer, "can_pause_fallback", False)
+        if pausable:
+            self.proposer.fallback_paused = not self.goodput.should_draft_fallback()
         ready, rooms = [], []
         for request in self.scheduler.running:
             # NOTE: only requests past prefill draft; never past max_tokens (those drafts could not be kept).
@@ -329,6 +341,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if self.goodput is not None:
             self.goodput.observe_draft(self.phases.seconds["draft"] - draft_s)
             self._fit_to_goodput(kept)
+        if pausable:
+            self._fallback_step = FallbackStep(set(self.proposer.last_fallback_ids), self.proposer.last_fallback_s)
         for request, draft in kept:
             if draft.token_ids:
                 request.spec_token_ids = list(draft.token_ids)
@@ -358,6 +372,10 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             if self._drafted_last_step:
                 self.goodput.observe_verify(len(sampled), rows, sum(
                     len(tokens) if isinstance(tokens, list) else 1 for tokens in sampled.values()))
+                step = self._fallback_step
+                self.goodput.observe_fallback(len(sampled), rows, len(step.request_ids & sampled.keys()), step.rows,
+                                              step.accepted, step.seconds)
+        self._fallback_step = FallbackStep()
         return sampled
 
     def _with_forced_tokens(self, request: Request, draft: Draft | None) -> tuple[Draft | None, bool]:
@@ -397,6 +415,17 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if self.goodput is not None:
             stats.update(self.goodput.stats())
         return stats
+
+
+@dataclasses.dataclass(slots=True)
+class FallbackStep:
+    """What a cascade's fallback drafted for one step, for the goodput policy's verdict on it: the requests it drafted
+    for, its seconds, and (filled in by the verify) the rows its kept drafts took and how many were accepted."""
+
+    request_ids: set[str] = dataclasses.field(default_factory=set)
+    seconds: float = 0.0
+    rows: int = 0
+    accepted: int = 0
 
 
 def _measure_confidence(proposer: object) -> None:

@@ -90,6 +90,11 @@ def speculative_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     if "spec/goodput_kept_draft_share" in results:   # NOTE: engine.draft_policy=goodput
         rows.append(("Goodput: drafts verified (%)", f"{100 * results['spec/goodput_kept_draft_share']:.1f}"))
         rows.append(("Goodput: steps not drafted (%)", f"{100 * results.get('spec/goodput_paused_share', 0.0):.1f}"))
+        if "spec/fallback_drafts" in results:   # NOTE: a cascade: the steps drafted by its primary alone
+            rows.append(("Goodput: steps without the fallback (%)",
+                         f"{100 * results.get('spec/goodput_fallback_paused_share', 0.0):.1f}"))
+        if results.get("spec/goodput_calibrated_max_rows"):
+            rows.append(("Goodput: calibrated up to (rows)", f"{results['spec/goodput_calibrated_max_rows']}"))
         prefix = "spec/goodput_step_cost/"
         costs = sorted((int(k[len(prefix):].split("_")[0]), v) for k, v in results.items() if k.startswith(prefix))
         if costs:

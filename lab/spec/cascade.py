@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,11 @@ class CascadeProposer:
                            "this fallback drafts chains", "give the fallback trees (engine.proposer.fallback.tree_nodes "
                            "or tree_width; engine/proposer=suffix_dflash_tree), or set engine.proposer.graft=false")
         self.feature_layers = fallback.feature_layers
+        # NOTE: set per step by the engine's goodput policy (its fallback verdict), where the primary alone is still a
+        # cascade (can_pause_fallback); what the last propose left to the fallback, for that verdict
+        self.fallback_paused = False
+        self.last_fallback_ids: set[str] = set()
+        self.last_fallback_s = 0.0
         self.num_primary_drafts = self.num_fallback_drafts = 0
         self.num_grafted_drafts = self.num_grafted_tokens = self.num_long_chain_tokens = 0
 
@@ -83,13 +89,24 @@ class CascadeProposer:
         # NOTE: a sampling request's fallback chain is dropped where the primary drafted, so it is not drafted either
         rest = [(r, g) for r, g in zip(requests, generators) if r.request_id not in drafts
                 or (self.graft and r.request_id in greedy and r.request_id not in filled)]
-        fallback = (self.fallback.propose([r for r, _ in rest], budget, [g for _, g in rest])
-                    if rest and budget > 0 else {})
+        if not (self.fallback_paused and self.can_pause_fallback) and budget > 0:
+            start = time.perf_counter()   # NOTE: on a GPU the drafter's kernels may still run after it returns
+            fallback = self.fallback.propose([r for r, _ in rest], budget, [g for _, g in rest]) if rest else {}
+            self.last_fallback_s = time.perf_counter() - start
+            self.last_fallback_ids = {r.request_id for r, _ in rest}
+        else:
+            fallback, self.last_fallback_s, self.last_fallback_ids = {}, 0.0, set()
         if self.graft:
             fallback = self._grafted(drafts, fallback, max_nodes)
         self.num_primary_drafts += sum(1 for rid in drafts if rid not in fallback)
         self.num_fallback_drafts += sum(1 for d in fallback.values() if d.token_ids)
         return {**drafts, **fallback}
+
+    @property
+    def can_pause_fallback(self) -> bool:
+        """Whether a step may draft with the primary alone: not with `graft`, where the primary's chains ride on the
+        fallback's trees."""
+        return not self.graft
 
     @staticmethod
     def filling_chains(chains: dict[str, Draft], greedy: set[str], max_nodes: int) -> set[str]:

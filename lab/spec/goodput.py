@@ -26,6 +26,9 @@ vLLM's `disable_by_batch_size`) fits one of these; the policy learns them all wh
   request-steps: 64 steps at batch 1, 2 at batch 32) is weighed against plain steps emitting the same tokens;
   where drafting lost, the engine stops drafting for a while, then tries a window again (past the crossover, or on
   text the drafter cannot guess). Before drafting it measures a plain step of at most the batch's size.
+- **Whether a cascade's fallback pays** (suffix decoding, then DFlash where it has nothing): the same verdict over
+  the requests the fallback drafted, its draft seconds and the rows its drafts added against the tokens they
+  added; where it lost, the cascade drafts with its primary alone for a while.
 
 Lossless like the confidence gate: how many drafts are verified never changes which token is emitted (greedy), and
 the inputs are the drafted distribution's maximum and past outcomes, never the drawn token (sampling).
@@ -176,21 +179,57 @@ def choose(base_rows: int, chances: list[list[float]], cost: Callable[[int], flo
 
 
 @dataclass(slots=True)
+class Verdict:
+    """Whether a kind of drafting pays, judged a window at a time: each window of `window` request-steps it drafted
+    weighs the modelled seconds it spent (its draft, its verify rows) against the modelled seconds plain steps would
+    have needed for the tokens it added; where it spent more, it pauses for `pause` steps, then tries a window again.
+    With `early`, a window that has spent `clear_loss` times what it saved after `early` request-steps ends there: a
+    drafter that plainly loses stops within a short job, one near the line is judged on the whole window."""
+
+    window: int = 64                 # request-steps (requests x steps) of drafting per verdict
+    pause: int = 64                  # steps without it after a verdict that it did not pay
+    early: int = 0                   # request-steps after which a clear loss is a verdict (0: never early)
+    clear_loss: float = 1.5
+    paused_until: int = 0
+    requests: int = 0                # this window so far: request-steps drafted,
+    spent_s: float = 0.0             #   the modelled seconds the drafting cost,
+    saved_s: float = 0.0             #   and those plain steps would have needed for the tokens it added
+
+    def paused(self, step: int) -> bool:
+        return step < self.paused_until
+
+    def observe(self, step: int, num_requests: int, spent_s: float, saved_s: float) -> None:
+        self.requests += num_requests
+        self.spent_s += spent_s
+        self.saved_s += saved_s
+        clear_loss = 0 < self.early <= self.requests and self.spent_s > self.clear_loss * self.saved_s
+        if self.requests >= self.window or clear_loss:
+            if self.spent_s > self.saved_s:
+                self.paused_until = step + self.pause
+            self.requests, self.spent_s, self.saved_s = 0, 0.0, 0.0
+
+
+@dataclass(slots=True)
 class GoodputPolicy:
     costs: StepCostModel = field(default_factory=StepCostModel)
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    window: int = 64                 # request-steps (requests x steps) of drafting per verdict on whether it pays
-    pause: int = 64                  # steps without drafting after a verdict that it did not; then a window again
+    drafting: Verdict = field(default_factory=Verdict)   # whether drafting at all pays
+    # NOTE: whether a cascade's fallback drafter pays (CascadeProposer). It drafts for only some requests of a step
+    # (those the primary has nothing for), so a window fills slowly; where it plainly loses (DFlash behind suffix
+    # decoding at 4 requests here) an early verdict stops it within a short job
+    fallback: Verdict = field(default_factory=lambda: Verdict(early=16))
     draft_seconds: float = 0.0       # moving average of one draft phase
+    # NOTE: moving average of a step's seconds outside its timed phases (scheduling, sampling, the engine's Python):
+    # a token a draft saves saves a share of it too, and every step pays it whatever it verifies
+    step_overhead_s: float = 0.0
     num_choices: int = 0
     num_drafts_offered: int = 0
     num_drafts_kept: int = 0
     num_steps: int = 0               # draft opportunities (steps after which the engine may draft)
     num_steps_paused: int = 0
-    paused_until: int = 0
-    window_requests: int = 0         # this window so far: request-steps drafted,
-    window_drafted_s: float = 0.0    #   the modelled seconds of those steps (their drafts included),
-    window_plain_s: float = 0.0      #   and of plain steps emitting the same tokens
+    num_fallback_paused: int = 0     # of them, steps drafted without the cascade's fallback
+    fallback_resumes: bool = False   # the step being drafted calls the fallback again after a pause (either verdict's)
+    fallback_idle: bool = False      # the last draft opportunity did not call the fallback (a pause)
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether to draft for the next step of `num_requests` requests: not before a plain step of at most that
@@ -198,30 +237,54 @@ class GoodputPolicy:
         size run plain), and not while a verdict said drafting does not pay (the draft itself costs a share of a
         step, and past the crossover no choice of drafts earns it back)."""
         self.num_steps += 1
-        if self.num_steps < self.paused_until or not self.costs.measured_up_to(num_requests):
+        if self.drafting.paused(self.num_steps) or not self.costs.measured_up_to(num_requests):
             self.num_steps_paused += 1
+            self.fallback_idle = True
             return False
         return True
+
+    def should_draft_fallback(self) -> bool:
+        """Whether the step being drafted (should_draft said yes) calls a cascade's fallback drafter: not while its
+        verdict said its drafts do not pay for their draft and rows (at 4 requests on a CPU without AMX, DFlash's
+        drafts behind suffix decoding's: docs/speculative.md, session 64)."""
+        paused = self.fallback.paused(self.num_steps)
+        self.fallback_resumes, self.fallback_idle = not paused and self.fallback_idle, paused
+        self.num_fallback_paused += paused
+        return not paused
 
     def observe_verify(self, num_requests: int, rows: int, num_tokens: int) -> None:
         """A decode step that followed a draft: `num_requests` requests, `rows` query rows, `num_tokens` emitted.
         Against plain steps emitting as many tokens at the modelled costs (draft included): a window of
-        `window` request-steps that took longer pauses drafting for `pause` steps."""
+        request-steps that took longer pauses drafting (Verdict)."""
         table = self.costs.estimates()
         if not table:
             return
         plain, verify = interpolate(table, num_requests), interpolate(table, rows)
-        self.window_requests += num_requests
-        self.window_drafted_s += verify + self.draft_seconds
-        self.window_plain_s += num_tokens * plain / num_requests
-        if self.window_requests >= self.window:
-            if self.window_drafted_s > self.window_plain_s:
-                self.paused_until = self.num_steps + self.pause
-            self.window_requests, self.window_drafted_s, self.window_plain_s = 0, 0.0, 0.0
+        self.drafting.observe(self.num_steps, num_requests, verify + self.draft_seconds - plain,
+                              (num_tokens - num_requests) * (plain + self.step_overhead_s) / num_requests)
+
+    def observe_fallback(self, num_requests: int, rows: int, num_drafted: int, fallback_rows: int,
+                         fallback_accepted: int, fallback_seconds: float) -> None:
+        """The same step, for the `num_drafted` requests a cascade's fallback drafted (`fallback_seconds` of the draft
+        phase): the rows its drafts added to a step of `rows` and its seconds, against the tokens they added (the
+        accepted ones: the step's own token would have come anyway) at a plain step's price each. The first step after
+        a pause is left out: a feature drafter then first reads the context it skipped (DFlash projects every position
+        since its last draft), work that any later draft would pay and that is no price of drafting from then on."""
+        table = self.costs.estimates()
+        if not table or not num_drafted or self.fallback_resumes:
+            return
+        plain = interpolate(table, num_requests) + self.step_overhead_s
+        rows_s = interpolate(table, rows) - interpolate(table, rows - fallback_rows)
+        self.fallback.observe(self.num_steps, num_drafted, rows_s + fallback_seconds,
+                              fallback_accepted * plain / num_requests)
 
     def observe_draft(self, seconds: float) -> None:
         previous = self.draft_seconds
         self.draft_seconds = seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
+
+    def observe_step_overhead(self, seconds: float) -> None:
+        previous = self.step_overhead_s
+        self.step_overhead_s = seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
 
     def lengths(self, base_rows: int, confidences: list[list[float | None]]) -> list[int] | None:
         """Per request how many of its drafts (confidences: one per draft, None where the drafter gives none) to
@@ -236,7 +299,8 @@ class GoodputPolicy:
                 chance *= self.acceptance.estimate(position, confidence)
                 prefix.append(chance)
             chances.append(prefix)
-        lengths = choose(base_rows, chances, lambda rows: interpolate(table, rows), self.draft_seconds)
+        lengths = choose(base_rows, chances, lambda rows: interpolate(table, rows),
+                         self.draft_seconds + self.step_overhead_s)
         self.num_choices += 1
         self.num_drafts_offered += sum(map(len, confidences))
         self.num_drafts_kept += sum(lengths)
@@ -245,6 +309,7 @@ class GoodputPolicy:
     def stats(self) -> dict[str, float]:
         stats = {"spec/goodput_kept_draft_share": self.num_drafts_kept / max(1, self.num_drafts_offered),
                  "spec/goodput_paused_share": self.num_steps_paused / max(1, self.num_steps),
+                 "spec/goodput_fallback_paused_share": self.num_fallback_paused / max(1, self.num_steps),
                  "spec/goodput_calibrated_max_rows": max(self.costs.prior, default=0)}
         measured = self.costs.estimates()
         for rows in list(measured)[:8]:   # NOTE: relative to the fewest rows measured (a plain batch-1 step: 1 row)
