@@ -307,6 +307,7 @@ def test_a_cascade_under_the_policy_stops_calling_a_fallback_that_does_not_pay(t
     stats = engine.stats()
     assert stats["spec/fallback_drafts"] > 0 and engine.goodput.fallback.paused_until > 0
     assert stats["spec/goodput_fallback_paused_share"] > 0.5 and engine.proposer.fallback_paused
+    assert 0 < engine.goodput.step_overhead_s < 1.0   # NOTE: each step's seconds outside its timed phases
     from lab.metrics.report import format_table
     from lab.metrics.summary import summarize
 

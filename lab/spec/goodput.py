@@ -161,15 +161,16 @@ class AcceptanceModel:
 
 
 def choose(base_rows: int, chances: list[list[float]], cost: Callable[[int], float],
-           draft_seconds: float) -> list[int]:
+           fixed_seconds: float) -> list[int]:
     """How many drafts each request verifies. base_rows: the step's rows without drafts; chances[r][i]: the chance
-    request r's drafts 0..i are all accepted (non-increasing in i); cost(rows) -> seconds. Returns per request n."""
+    request r's drafts 0..i are all accepted (non-increasing in i); cost(rows) -> seconds; fixed_seconds: what the
+    step costs besides its rows (the draft, the engine's overhead). Returns per request n."""
     order = sorted(((chance, position, r) for r, row in enumerate(chances) for position, chance in enumerate(row)),
                    key=lambda item: (-item[0], item[1]))
-    tokens, best_rate, best_n = float(base_rows), base_rows / (cost(base_rows) + draft_seconds), 0
+    tokens, best_rate, best_n = float(base_rows), base_rows / (cost(base_rows) + fixed_seconds), 0
     for n, (chance, _, _) in enumerate(order, 1):
         tokens += chance
-        rate = tokens / (cost(base_rows + n) + draft_seconds)
+        rate = tokens / (cost(base_rows + n) + fixed_seconds)
         if rate > best_rate:
             best_rate, best_n = rate, n
     lengths = [0] * len(chances)
