@@ -280,12 +280,14 @@ class GoodputPolicy:
                               fallback_accepted * plain / num_requests)
 
     def observe_draft(self, seconds: float) -> None:
-        previous = self.draft_seconds
-        self.draft_seconds = seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
+        self.draft_seconds = self._averaged(self.draft_seconds, seconds)
 
     def observe_step_overhead(self, seconds: float) -> None:
-        previous = self.step_overhead_s
-        self.step_overhead_s = seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
+        self.step_overhead_s = self._averaged(self.step_overhead_s, seconds)
+
+    def _averaged(self, previous: float, seconds: float) -> float:
+        """A moving average's next value (its first measurement starts it)."""
+        return seconds if not previous else previous + self.costs.smoothing * (seconds - previous)
 
     def lengths(self, base_rows: int, confidences: list[list[float | None]]) -> list[int] | None:
         """Per request how many of its drafts (confidences: one per draft, None where the drafter gives none) to
