@@ -76,6 +76,10 @@ def axis_of(rows: list[dict[str, Any]]) -> str:
 AT_AR_TOLERANCE = 0.02   # speedups this close below 1.0 are AR's speed within a cell's noise
 
 
+def _listed(xs: list[float]) -> str:
+    return ", ".join(f"{x:g}" for x in xs)
+
+
 def crossover_point(xs: list[float], speedups: list[float], log_x: bool = True) -> dict[str, Any]:
     """Where speedup first falls below 1.0 along increasing x: interpolated (log2 x) between the last point
     at or above 1 and the first below; 'never helps' / 'always helps' when it does not cross. `pays_again_at`: the
@@ -86,7 +90,7 @@ def crossover_point(xs: list[float], speedups: list[float], log_x: bool = True) 
         return {"crossover": None, "status": "no data"}
     first_below = next((i for i, (_, s) in enumerate(points) if s < 1.0), None)
     again = [] if first_below is None else [x for x, s in points[first_below + 1:] if s > 1.0 + AT_AR_TOLERANCE]
-    said_again = f", above 1.0 again at {', '.join(f'{x:g}' for x in again)}" if again else ""
+    said_again = f", above 1.0 again at {_listed(again)}" if again else ""
     if first_below == 0:
         return {"crossover": None, "never_helps": True, "pays_again_at": again,
                 "status": f"below 1.0 already at {points[0][0]:g}{said_again}"}
@@ -166,7 +170,7 @@ def markdown_table(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> 
     for p in points:
         where = f"{p['crossover']:.3g} ({p['status']})" if p["crossover"] else p["status"]
         method = p["method"] + (f", concurrency {p['concurrency']}" if "concurrency" in p else "")
-        again = f" (and at {', '.join(f'{x:g}' for x in p['pays_again_at'])})" if p.get("pays_again_at") else ""
+        again = f" (and at {_listed(p['pays_again_at'])})" if p.get("pays_again_at") else ""
         pays = (" all tested |" if p["pays_up_to"] is None else f" {p['pays_up_to']}{again} |") if by_batch else ""
         lines.append(f"| {p['workload']} | {method} | {where} | {cell(p['best_speedup_tpot'])} |{pays}")
     return "\n".join(lines)

@@ -99,6 +99,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         self.proposer = proposer.build(runner, self.kv_manager)
         self.goodput = GoodputPolicy() if draft_policy == "goodput" and num_spec_tokens else None
         self.goodput_calibration = goodput_calibration
+        # NOTE: a cascade whose fallback the policy may pause for a step (its verdict on the fallback)
+        self._pausable_fallback = self.goodput is not None and getattr(self.proposer, "can_pause_fallback", False)
         if self.goodput is not None:
             _measure_confidence(self.proposer)
         check_num_spec_tokens(self.proposer, num_spec_tokens, "engine.num_spec_tokens", "this proposer", lowest=1)
@@ -288,7 +290,8 @@ class SpeculativeEngine(ContinuousBatchingEngine):
 
     # -- draft -----------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        start, timed_s = time.perf_counter(), sum(self.phases.seconds.values())
+        if self.goodput is not None:
+            start, timed_s = time.perf_counter(), sum(self.phases.seconds.values())
         finished = super().step()
         for request in finished:
             self.proposer.free(request.request_id)
@@ -311,8 +314,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
             # the batch shrinks; the skipped tokens are caught up like a cascade's fallback's.
             self.num_steps_not_drafted += bool(self.scheduler.running)
             return
-        pausable = self.goodput is not None and getattr(self.proposer, "can_pause_fallback", False)
-        if pausable:
+        if self._pausable_fallback:
             self.proposer.fallback_paused = not self.goodput.should_draft_fallback()
         ready, rooms = [], []
         for request in self.scheduler.running:
@@ -341,7 +343,7 @@ class SpeculativeEngine(ContinuousBatchingEngine):
         if self.goodput is not None:
             self.goodput.observe_draft(self.phases.seconds["draft"] - draft_s)
             self._fit_to_goodput(kept)
-        if pausable:
+        if self._pausable_fallback:
             self._fallback_step = FallbackStep(set(self.proposer.last_fallback_ids), self.proposer.last_fallback_s)
         for request, draft in kept:
             if draft.token_ids:
