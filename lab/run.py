@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import logging
 import math
 import re
@@ -35,6 +36,7 @@ from lab.hydra_job import console_script, run_job
 from lab.metrics.report import format_table, request_record, write_results
 from lab.request import Request
 from lab.runner import ModelRunner
+from lab.runner.shared import shared_runner
 from lab.runner.device import cuda_memory_mb, peak_rss_mb
 from lab.workloads import SamplingDefaults
 from lab.workloads.arrivals import ArrivalProcess
@@ -128,6 +130,13 @@ def build_runner(cfg: DictConfig) -> ModelRunner:
                        block_kernel=cfg.model.get("block_kernel", "auto"),
                        huge_pages=cfg.model.get("huge_pages", "auto"),
                        greedy_head=cfg.model.get("greedy_head", "auto"))
+
+
+def runner_key(cfg: DictConfig) -> str:
+    """What a runner is built from: the model's config, the seed (random-init models) and the thread count (the
+    kernels' measured choices). Jobs with the same key may share one (lab/runner/shared.py)."""
+    return json.dumps([OmegaConf.to_container(cfg.model, resolve=True), cfg.seed, cfg.get("threads")],
+                      sort_keys=True, default=str)
 
 
 def build_requests(cfg: DictConfig, runner: ModelRunner) -> tuple[list[Request], list[Request], ArrivalProcess, str]:
@@ -253,13 +262,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     exit_code = 1
     try:
         load_start = time.perf_counter()
-        runner = build_runner(cfg)
+        in_sweep = group != "single"   # NOTE: _hydra_names' group of a multirun's jobs: the sweep's
+        runner, reused = (shared_runner(runner_key(cfg), lambda: build_runner(cfg)) if in_sweep
+                          else (build_runner(cfg), False))
         engine: Engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
         # NOTE: engines build what they need (HF models, KV pools, drafts) here, so it counts as load
-        load = {"phase/load_s": time.perf_counter() - load_start, "memory/load_peak_mb": peak_rss_mb(),
+        load = {"phase/load_s": time.perf_counter() - load_start, "phase/model_reused": reused,
+                "memory/load_peak_mb": peak_rss_mb(),
                 **{f"memory/load_{k}": v for k, v in cuda_memory_mb(runner.device).items()}}
         log.info(f"loaded {runner.model_id} ({runner.device}, {runner.dtype}) and engine {engine.name} in "
-                 f"{load['phase/load_s']:.1f} s")
+                 f"{load['phase/load_s']:.1f} s" + (" (the model: the sweep's job before's, reused)" if reused else ""))
         metrics = instantiate(cfg.metrics)
         requests, warmups, arrival, workload_name = build_requests(cfg, runner)
         log.info(f"workload {workload_name}: {len(requests)} requests ({len(warmups)} warm-ups), request_rate "

@@ -58,7 +58,7 @@ def test_crossover_points(crossover: ModuleType) -> None:
     assert crossover.crossover_point([100, 300], [1.2, 0.8], log_x=False)["crossover"] == pytest.approx(200)
     assert not point["holds_ar_after"]
     at_ar = crossover.crossover_point([1, 4, 16, 32], [1.2, 1.1, 0.99, 1.005])   # stops drafting from 16 on
-    assert at_ar["holds_ar_after"] and at_ar["status"] == "crosses between 4 and 16, then within 2% of AR"
+    assert at_ar["holds_ar_after"] and at_ar["status"] == "crosses between 4 and 16, then within noise of AR"
     assert at_ar["pays_again_at"] == []
     # NOTE: a CPU's shape: extra verify rows dear at 4 requests (GGUF blocks), cheap again at 16 (fp32 weights)
     again = crossover.crossover_point([1, 4, 16, 32], [1.17, 0.82, 1.12, 0.95])
@@ -67,6 +67,31 @@ def test_crossover_points(crossover: ModuleType) -> None:
     late = crossover.crossover_point([1, 4, 16], [0.95, 0.8, 1.05])
     assert late["never_helps"] and late["status"] == "below 1.0 already at 1, above 1.0 again at 16"
     assert crossover.crossover_point([1, 4, 16], [0.95, 0.8, 1.01])["pays_again_at"] == [], "within the noise"
+
+
+def test_the_jobs_that_drafted_nothing_set_the_noise_floor(crossover: ModuleType) -> None:
+    def row(speedup: float, drafted_nothing: bool) -> dict[str, object]:
+        return {"speedup_tpot": speedup, "drafted_nothing": drafted_nothing}
+
+    assert crossover.noise_floor([row(1.3, False)]) == {"tolerance": crossover.AT_AR_TOLERANCE, "jobs": 0}
+    quiet = crossover.noise_floor([row(0.995, True), row(1.005, True), row(0.7, False)])
+    assert quiet["tolerance"] == crossover.AT_AR_TOLERANCE and quiet["jobs"] == 2, "never below the fixed tolerance"
+    # NOTE: AR against AR read 0.95 and 1.03 beside a busy neighbour: rms sqrt((0.0025 + 0.0009) / 2)
+    shaken = crossover.noise_floor([row(0.95, True), row(1.03, True), row(math.nan, True)])
+    assert shaken["rms"] == pytest.approx(math.sqrt(0.0017)) and shaken["tolerance"] == pytest.approx(2 * shaken["rms"])
+    assert (shaken["jobs"], shaken["min"], shaken["max"]) == (2, 0.95, 1.03)
+    assert "2 jobs that drafted nothing (AR against AR) read 0.950-1.030x" in crossover.noise_floor_line(shaken)
+    # NOTE: 0.96 at 4 requests is a loss on a quiet machine and AR's speed within this sweep's noise (8.2 %)
+    quiet_point = crossover.crossover_point([1, 4, 16], [1.2, 0.96, 0.8])
+    noisy_point = crossover.crossover_point([1, 4, 16], [1.2, 0.96, 0.8], noise=shaken["tolerance"])
+    assert not quiet_point["within_noise"] and quiet_point["status"] == "crosses between 1 and 4"
+    assert noisy_point["within_noise"] and noisy_point["crossover"] == quiet_point["crossover"], "it still crosses"
+    assert noisy_point["status"] == "crosses between 1 and 4 (within noise of 1.0 at 4)"
+    first = crossover.crossover_point([1, 4], [0.95, 0.9], noise=0.06)
+    assert first["never_helps"] and first["status"] == "below 1.0 already at 1 (within noise of 1.0 at 1)"
+    assert crossover.crossover_point([1, 4, 16], [1.2, 0.8, 1.05], noise=0.06)["pays_again_at"] == [], "inside it"
+    held = crossover.crossover_point([1, 4, 16], [1.2, 0.95, 0.96], noise=0.06)
+    assert held["holds_ar_after"] and held["status"] == "crosses between 1 and 4, then within noise of AR"
 
 
 def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,6 +110,9 @@ def test_main_writes_json_png_and_table(crossover: ModuleType, tmp_path: Path, c
     printed = capsys.readouterr().out
     assert "skipped" in printed and "| mtbench | DFlash | still above 1.0 at 16 | 2 | all tested |" in printed
     assert "| mtbench | EAGLE | 8 (crosses between 4 and 16) | 1.6 | 8 |" in printed
+    floor = "noise floor: every job here drafted, so none measured AR against AR; speedups within 2% of 1.0 read as"
+    assert floor in printed
+    assert data["noise_floor"] == {"tolerance": crossover.AT_AR_TOLERANCE, "jobs": 0}
 
 
 def test_prompt_length_axis(crossover: ModuleType, tmp_path: Path) -> None:

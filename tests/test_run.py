@@ -121,6 +121,53 @@ def test_multirun_sweep_survives_a_failing_job(tmp_path: Path) -> None:
         "1 of 2 jobs failed (exit code 1; the other jobs' results stand):", f"  {jobs[1]}: {error.splitlines()[0]}"]
 
 
+def test_a_sweeps_jobs_in_one_process_share_the_model_while_it_stays_the_same(tmp_path: Path) -> None:
+    # NOTE: the basic launcher runs every job in this one process, one after another
+    proc = lab_cli("-m", "model=tiny", "workload.num_prompts=1", "workload.input_len=8", "logger=none",
+                   "model.max_model_len=64,64,128", "workload.output_len=3", "print_table=false",
+                   f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=${hydra.job.num}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads((tmp_path / str(i) / "results.json").read_text()) for i in range(3)]
+    assert [r["phase/model_reused"] for r in results] == [False, True, False], "a new model config loads anew"
+    assert results[1]["phase/load_s"] < results[0]["phase/load_s"]
+    assert "(the model: the sweep's job before's, reused)" in (tmp_path / "1" / "run.log").read_text()
+    outputs = [json.loads((tmp_path / str(i) / "requests.jsonl").read_text().splitlines()[0])["output_token_ids"]
+               for i in range(3)]
+    assert outputs[0] == outputs[1] == outputs[2], "the shared model computes what a fresh one does"
+
+
+def test_a_joblib_worker_holding_a_shared_model_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import psutil
+
+    from lab.runner import shared
+
+    loky = types.SimpleNamespace(_MAX_MEMORY_LEAK_SIZE=int(3e8), _USE_PSUTIL=True)
+    monkeypatch.setitem(sys.modules, "joblib.externals.loky.process_executor", loky)
+    shared.keep_this_joblib_worker()
+    held = psutil.Process().memory_info().rss
+    # NOTE: whatever loky measured first (perhaps before the model), the worker may hold what it holds now + 2 GiB
+    assert abs(loky._MAX_MEMORY_LEAK_SIZE - shared.LOKY_WORKER_GROWTH_BYTES - held) < 64 << 20
+    loky._MAX_MEMORY_LEAK_SIZE = 1 << 40
+    shared.keep_this_joblib_worker()
+    assert loky._MAX_MEMORY_LEAK_SIZE == 1 << 40, "never lowered"
+    without_psutil = types.SimpleNamespace(_MAX_MEMORY_LEAK_SIZE=int(3e8), _USE_PSUTIL=False)
+    monkeypatch.setitem(sys.modules, "joblib.externals.loky.process_executor", without_psutil)
+    shared.keep_this_joblib_worker()
+    assert without_psutil._MAX_MEMORY_LEAK_SIZE == int(3e8), "loky checks nothing there"
+    monkeypatch.delitem(sys.modules, "joblib.externals.loky.process_executor")
+    shared.keep_this_joblib_worker()   # NOTE: not a joblib worker: nothing to do
+
+
+def test_a_single_run_loads_its_own_model(cfg: DictConfig, tmp_path: Path) -> None:
+    from lab.runner import shared
+
+    run(cfg, tmp_path / "a")
+    assert shared._last is None, "not a sweep's job: nothing kept for a next one"
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["phase/model_reused"] is False
+
+
 def test_sweep_failures_are_the_job_dirs_with_an_error_or_no_results(tmp_path: Path) -> None:
     from lab.sweep_callback import sweep_failures
     for i, files in enumerate([("results.json",), ("results.json", "error.json"), ()]):
