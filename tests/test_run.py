@@ -134,6 +134,15 @@ def test_a_sweeps_jobs_in_one_process_share_the_model_while_it_stays_the_same(tm
     outputs = [json.loads((tmp_path / str(i) / "requests.jsonl").read_text().splitlines()[0])["output_token_ids"]
                for i in range(3)]
     assert outputs[0] == outputs[1] == outputs[2], "the shared model computes what a fresh one does"
+    # NOTE: joblib's workers (the crossover's launcher) get `python -m lab.run`'s functions by value, with fresh
+    # globals each call: the cache must live outside lab/run.py to outlive a job there
+    workers = tmp_path / "joblib"
+    proc = lab_cli("-m", "model=tiny", "workload.num_prompts=1", "workload.input_len=8", "logger=none",
+                   "workload.output_len=2,3,4,5", "print_table=false", "hydra/launcher=joblib",
+                   "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={workers}", "hydra.sweep.subdir=${hydra.job.num}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reused = [json.loads((workers / str(i) / "results.json").read_text())["phase/model_reused"] for i in range(4)]
+    assert sum(reused) >= 2, "two workers, four jobs: each worker builds the model once"
 
 
 def test_a_joblib_worker_holding_a_shared_model_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
