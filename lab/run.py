@@ -262,7 +262,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     exit_code = 1
     try:
         load_start = time.perf_counter()
-        in_sweep = group != "single"   # NOTE: _hydra_names' group of a multirun's jobs: the sweep's
+        in_sweep = group != "single"   # NOTE: a multirun's job (_hydra_names names any other run's group "single")
         runner, reused = (shared_runner(runner_key(cfg), lambda: build_runner(cfg)) if in_sweep
                           else (build_runner(cfg), False))
         engine: Engine = instantiate(cfg.engine, runner=runner, seed=cfg.seed)
